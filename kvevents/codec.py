@@ -1,0 +1,497 @@
+"""Encoding and decoding of KV event batches and of their ZMQ frames.
+
+* :func:`encode_batch` writes exactly vLLM 0.33's bytes (C§1.2, C§9.1).
+* :func:`decode_batch` / :class:`BatchDecoder` read every shape a live producer sends
+  (C§9.2): map events (vLLM ≥ 0.24) with unknown or missing optional keys, positional
+  array events of every historical length (vLLM ≤ 0.23), 2- and 3-element batches,
+  missing ``medium`` / ``lora_name`` / ``lora_id``, int (signed or unsigned 64-bit) or
+  bytes hashes, and map-shaped batches (``{"ts", "events", rank}``) from other producers.
+  An event with an unknown ``type`` tag is skipped and counted; the rest of the batch is
+  kept (C§9.3).  Anything else raises :class:`~kvevents.errors.DecodeError`, and no other
+  exception type escapes.
+* Frame helpers build and parse the live message ``[topic, seq, payload]`` and the
+  replay request/reply of C§2.1–2.2.
+
+Decoding tries the fastest typed path first (map events, then array events) and only
+falls back to a generic walk when the payload needs it, so well-formed vLLM traffic pays
+no tolerance tax.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgspec
+
+from kvevents.errors import DecodeError, EncodeError, FrameError
+from kvevents.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    ExternalBlockHash,
+    KVEvent,
+    KVEventBatch,
+)
+
+__all__ = [
+    "END_SEQ",
+    "BatchDecoder",
+    "DecodeStats",
+    "LiveMessage",
+    "ReplayReply",
+    "WireShape",
+    "decode_batch",
+    "describe_payload",
+    "encode_batch",
+    "pack_live",
+    "pack_replay_end",
+    "pack_replay_reply",
+    "pack_replay_request",
+    "pack_seq",
+    "parse_live",
+    "parse_replay_reply",
+    "parse_replay_request",
+    "unpack_seq",
+]
+
+END_SEQ: bytes = b"\xff" * 8
+"""The seq frame of the replay end marker: ``(-1).to_bytes(8, "big", signed=True)``."""
+
+_EVENT_CLASSES: dict[str, type[KVEvent]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+_FIELDS: dict[str, tuple[str, ...]] = {
+    name: cls.__struct_fields__ for name, cls in _EVENT_CLASSES.items()
+}
+# Required in vLLM 0.33 but absent from older producers: read as None (C§1.3).
+_TOLERATED_MISSING = ("lora_id", "medium", "lora_name")
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """Encode ``batch`` to the msgpack payload frame, byte-identical to vLLM 0.33.
+
+    Raises :class:`~kvevents.errors.EncodeError` for objects msgpack cannot carry.
+    """
+    try:
+        return _ENCODER.encode(batch)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise EncodeError(f"cannot encode batch: {exc}") from exc
+
+
+# --- array-form twins: a typed fast path for vLLM <= 0.23 producers ---------------------
+# Everything after the fields that every version wrote (0.9) has a default, so any
+# element count from 0.9's up to a future one decodes; extra trailing elements are
+# ignored by msgspec.
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
+    pass
+
+
+class _ArrayStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _ArrayRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayFormBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_ArrayStored, _ArrayRemoved, _ArrayCleared]]
+    data_parallel_rank: int | None = None
+
+
+def _from_array_twin(ev: _ArrayEvent) -> KVEvent:
+    if isinstance(ev, _ArrayStored):
+        return BlockStored(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+            ev.locality,
+            ev.ownership,
+            ev.session_id,
+            ev.lookahead_token_ids,
+        )
+    if isinstance(ev, _ArrayRemoved):
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
+    return AllBlocksCleared()
+
+
+@dataclass
+class DecodeStats:
+    """Counters of what decoding skipped or had to tolerate.
+
+    ``skipped_events`` counts skipped events by reason (``"unknown_tag"``);
+    ``unknown_tags`` counts them by the tag seen.  ``tolerant_batches`` counts batches
+    that needed the generic (slow) path.
+    """
+
+    skipped_events: Counter[str] = field(default_factory=Counter)
+    unknown_tags: Counter[str] = field(default_factory=Counter)
+    tolerant_batches: int = 0
+
+
+class BatchDecoder:
+    """A reusable decoder for payload frames, keeping :class:`DecodeStats`.
+
+    Not thread-safe: use one per thread (they are cheap).
+    """
+
+    def __init__(self, stats: DecodeStats | None = None) -> None:
+        self.stats = stats if stats is not None else DecodeStats()
+        self._map_form = msgspec.msgpack.Decoder(KVEventBatch)
+        self._array_form = msgspec.msgpack.Decoder(_ArrayFormBatch)
+        self._generic = msgspec.msgpack.Decoder()
+
+    def decode(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        """Decode one payload frame.  Raises :class:`DecodeError` if it is malformed."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        try:
+            return self._map_form.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        try:
+            arr = self._array_form.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        else:
+            return KVEventBatch(
+                arr.ts, [_from_array_twin(e) for e in arr.events], arr.data_parallel_rank
+            )
+        return self._decode_generic(payload)
+
+    # --- the tolerant path ---------------------------------------------------------
+    def _decode_generic(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        try:
+            raw = self._generic.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"$: not a msgpack document: {exc}") from exc
+        except RecursionError as exc:  # pragma: no cover - msgspec guards depth itself
+            raise DecodeError("$: msgpack document nested too deeply") from exc
+        self.stats.tolerant_batches += 1
+        ts, raw_events, rank = _split_batch(raw)
+        events: list[KVEvent] = []
+        for i, raw_event in enumerate(raw_events):
+            event = self._convert_event(raw_event, f"$[1][{i}]")
+            if event is not None:
+                events.append(event)
+        return KVEventBatch(ts, events, rank)
+
+    def _convert_event(self, raw: Any, where: str) -> KVEvent | None:
+        if isinstance(raw, (list, tuple)):
+            if not raw or not isinstance(raw[0], str):
+                raise DecodeError(f"{where}: array event must start with its type tag (a string)")
+            tag = raw[0]
+            if tag not in _EVENT_CLASSES:
+                self._skip_unknown(tag)
+                return None
+            fields = dict(zip(_FIELDS[tag], raw[1:]))
+        elif isinstance(raw, dict):
+            raw_tag = raw.get("type")
+            if not isinstance(raw_tag, str):
+                raise DecodeError(f"{where}: map event has no string 'type' key")
+            tag = raw_tag
+            if tag not in _EVENT_CLASSES:
+                self._skip_unknown(tag)
+                return None
+            names = _FIELDS[tag]
+            fields = {k: v for k, v in raw.items() if k in names}
+        else:
+            raise DecodeError(f"{where}: event must be an array or a map, got {_kind(raw)}")
+        cls = _EVENT_CLASSES[tag]
+        for name in _TOLERATED_MISSING:
+            if name in _FIELDS[tag] and name not in fields:
+                fields[name] = None
+        try:
+            return msgspec.convert(fields, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise DecodeError(f"{where} ({tag}): {_relocate(str(exc))}") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise DecodeError(f"{where} ({tag}): {exc}") from exc
+
+    def _skip_unknown(self, tag: str) -> None:
+        self.stats.skipped_events["unknown_tag"] += 1
+        self.stats.unknown_tags[tag] += 1
+
+
+def _split_batch(raw: Any) -> tuple[float, list[Any], int | None]:
+    """Return ``(ts, events, rank)`` of a generic batch, array- or map-shaped."""
+    if isinstance(raw, (list, tuple)):
+        if len(raw) < 2:
+            raise DecodeError(
+                f"$: batch array needs at least [ts, events], got {len(raw)} element(s)"
+            )
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        if "ts" not in raw or "events" not in raw:
+            raise DecodeError("$: batch map needs 'ts' and 'events' keys")
+        ts, events = raw["ts"], raw["events"]
+        rank = None
+        for key in ("data_parallel_rank", "dp_rank", "attn_dp_rank"):
+            if raw.get(key) is not None:
+                rank = raw[key]
+                break
+    else:
+        raise DecodeError(f"$: batch must be an array or a map, got {_kind(raw)}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise DecodeError(f"$[0]: ts must be a number, got {_kind(ts)}")
+    if not isinstance(events, (list, tuple)):
+        raise DecodeError(f"$[1]: events must be an array, got {_kind(events)}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise DecodeError(f"$[2]: data_parallel_rank must be an int or nil, got {_kind(rank)}")
+    return float(ts), list(events), rank
+
+
+def _kind(value: Any) -> str:
+    return {
+        list: "array",
+        tuple: "array",
+        dict: "map",
+        str: "string",
+        bytes: "bin",
+        bool: "bool",
+        int: "int",
+        float: "float",
+        type(None): "nil",
+    }.get(type(value), type(value).__name__)
+
+
+def _relocate(msg: str) -> str:
+    """Turn msgspec's ``- at `$.field``` suffix into a field-relative location."""
+    return msg.replace("- at `$", "- at `")
+
+
+_DEFAULT_DECODER: BatchDecoder | None = None
+
+
+def decode_batch(
+    payload: bytes | bytearray | memoryview, stats: DecodeStats | None = None
+) -> KVEventBatch:
+    """Decode one payload frame into a :class:`KVEventBatch`.
+
+    Skipped events are counted into ``stats`` when given.  For a hot loop, keep a
+    :class:`BatchDecoder` instead.  Raises :class:`DecodeError` on malformed input.
+    """
+    global _DEFAULT_DECODER
+    if stats is not None:
+        return BatchDecoder(stats).decode(payload)
+    if _DEFAULT_DECODER is None:
+        _DEFAULT_DECODER = BatchDecoder()
+    return _DEFAULT_DECODER.decode(payload)
+
+
+# --- producer version inference (C§1.3, C§9.16) -----------------------------------------
+
+# Inclusive (first, last) 0.x minor releases that can write an array event of a given
+# element count (tag included).  Boundaries follow C§1.3 and the golden vectors; where a
+# field's first release is only known to a range, both neighbours are allowed.
+_STORED_LEN_MINORS = {6: (9, 11), 7: (11, 15), 8: (13, 18), 9: (16, 20), 10: (19, 22), 12: (21, 23)}
+_REMOVED_LEN_MINORS = {2: (9, 11), 3: (11, 20), 4: (19, 23)}
+_MAP_KEY_MINORS = (  # newest first: a key present means "at least this release"
+    ("lookahead_token_ids", 33),
+    ("session_id", 30),
+    ("ownership", 29),
+    ("locality", 26),
+)
+
+
+@dataclass(frozen=True)
+class WireShape:
+    """What a payload's shape says about its producer.
+
+    ``event_form`` is ``"map"`` (vLLM >= 0.24), ``"array"`` (<= 0.23), ``"mixed"`` or
+    ``"none"`` (no events).  ``vllm_versions`` is the narrowest vLLM release range the
+    shape fits (``"0.11-0.15"``, ``">=0.26"``), or ``""`` when it says nothing or fits
+    no known release (a newer or foreign producer).
+    """
+
+    event_form: str
+    batch_elements: int
+    vllm_versions: str
+
+
+def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
+    """Infer the producer's wire generation from a payload's shape (C§1.3, C§9.16).
+
+    Raises :class:`DecodeError` if the payload is not a msgpack batch.
+    """
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise DecodeError(f"$: not a msgpack document: {exc}") from exc
+    _, events, _ = _split_batch(raw)
+    n = len(raw) if isinstance(raw, (list, tuple)) else 0
+    forms = {"array" if isinstance(e, (list, tuple)) else "map" for e in events}
+    form = forms.pop() if len(forms) == 1 else ("mixed" if forms else "none")
+    lo, hi = (9, 9) if n == 2 else (10, 99) if n == 3 else (0, 99)
+    if form == "map":
+        lo = max(lo, 24)
+        keys = {k for e in events if isinstance(e, dict) for k in e}
+        lo = max([lo] + [minor for key, minor in _MAP_KEY_MINORS if key in keys])
+    elif form == "array":
+        hi = min(hi, 23)
+        tables = {"BlockStored": _STORED_LEN_MINORS, "BlockRemoved": _REMOVED_LEN_MINORS}
+        for e in events:
+            table = tables.get(e[0]) if e and isinstance(e[0], str) else None
+            if table is not None:
+                first, last = table.get(len(e), (0, -1))
+                lo, hi = max(lo, first), min(hi, last)
+    if form in ("mixed",) or lo > hi or (lo, hi) == (0, 99):
+        versions = ""
+    elif hi == 99:
+        versions = f">=0.{lo}"
+    elif lo == hi:
+        versions = f"0.{lo}"
+    else:
+        versions = f"0.{max(lo, 9)}-0.{hi}"
+    return WireShape(form, n, versions)
+
+
+# --- frames (C§2.1, C§2.2) --------------------------------------------------------------
+
+
+def pack_seq(seq: int) -> bytes:
+    """``seq`` as the 8-byte big-endian unsigned frame."""
+    return seq.to_bytes(8, "big")
+
+
+def unpack_seq(frame: bytes) -> int:
+    """Read a live seq frame; it must be exactly 8 bytes (raises :class:`FrameError`)."""
+    if len(frame) != 8:
+        raise FrameError(f"seq frame must be 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big")
+
+
+@dataclass(frozen=True)
+class LiveMessage:
+    """One live PUB message: ``[topic, seq, payload]``."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def pack_live(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """The three frames of a live message."""
+    return [topic, pack_seq(seq), payload]
+
+
+def parse_live(frames: Sequence[bytes]) -> LiveMessage:
+    """Parse a live message; exactly 3 frames with an 8-byte seq, else :class:`FrameError`."""
+    if len(frames) != 3:
+        raise FrameError(
+            f"live message must have 3 frames [topic, seq, payload], got {len(frames)}"
+        )
+    topic, seq, payload = frames
+    return LiveMessage(bytes(topic), unpack_seq(seq), bytes(payload))
+
+
+def pack_replay_request(start_seq: int) -> list[bytes]:
+    """The frames a DEALER sends to ask for every buffered batch with seq ≥ ``start_seq``."""
+    return [b"", pack_seq(start_seq)]
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
+    """Parse a request as a ROUTER receives it: ``[identity, b"", start]``.
+
+    ``start`` is big-endian unsigned of any length (a 4-byte value works, as in vLLM).
+    Returns ``(identity, start_seq)``; any other layout raises :class:`FrameError`.
+    """
+    if len(frames) != 3:
+        raise FrameError(
+            f"replay request must have 3 frames [identity, b'', start], got {len(frames)}"
+        )
+    identity, delimiter, start = frames
+    if delimiter:
+        raise FrameError("replay request is missing its empty delimiter frame")
+    if not start:
+        raise FrameError("replay request has an empty start frame")
+    return bytes(identity), int.from_bytes(start, "big")
+
+
+def pack_replay_reply(identity: bytes, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One replayed batch as the ROUTER sends it (0.26+ layout, with the topic frame)."""
+    return [identity, b"", topic, pack_seq(seq), payload]
+
+
+def pack_replay_end(identity: bytes) -> list[bytes]:
+    """The end-of-replay marker as the ROUTER sends it."""
+    return [identity, b"", b"", END_SEQ, b""]
+
+
+@dataclass(frozen=True)
+class ReplayReply:
+    """One reply a replay client received.  ``seq`` is ``None`` for the end marker."""
+
+    seq: int | None
+    topic: bytes
+    payload: bytes
+
+    @property
+    def is_end(self) -> bool:
+        return self.seq is None
+
+
+def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:
+    """Parse a replay reply as a DEALER (or REQ) receives it.
+
+    Accepted layouts: ``[b"", topic, seq, payload]`` (DEALER, 0.26+),
+    ``[b"", seq, payload]`` (DEALER before 0.26, or REQ 0.26+ with an empty topic),
+    ``[seq, payload]`` (REQ before 0.26).  The end marker has ``END_SEQ`` as its seq;
+    an empty payload also ends the replay.  Anything else raises :class:`FrameError`.
+    """
+    n = len(frames)
+    if n == 4:
+        if frames[0]:
+            raise FrameError("replay reply must start with an empty delimiter frame")
+        topic, seq_frame, payload = frames[1], frames[2], frames[3]
+    elif n == 3:
+        topic, seq_frame, payload = frames[0], frames[1], frames[2]
+    elif n == 2:
+        topic, seq_frame, payload = b"", frames[0], frames[1]
+    else:
+        raise FrameError(f"replay reply must have 2 to 4 frames, got {n}")
+    if bytes(seq_frame) == END_SEQ or not payload:
+        return ReplayReply(None, bytes(topic), b"")
+    return ReplayReply(unpack_seq(seq_frame), bytes(topic), bytes(payload))

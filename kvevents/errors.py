@@ -1,0 +1,56 @@
+"""The kvevents error hierarchy.
+
+Every exception that kvevents raises on purpose derives from :class:`KVEventsError`,
+so a caller can catch the whole family with one ``except`` clause.  Classes that also
+derive from a builtin (``ValueError``, ``RuntimeError``) do so where Python code
+conventionally expects that builtin.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureError",
+    "ConfigError",
+    "DecodeError",
+    "EncodeError",
+    "FrameError",
+    "KVEventsError",
+    "OffloadError",
+    "PublisherClosedError",
+]
+
+
+class KVEventsError(Exception):
+    """Root of every error kvevents raises deliberately."""
+
+
+class DecodeError(KVEventsError, ValueError):
+    """A payload is not a KV event batch in any shape kvevents accepts.
+
+    The message says what is wrong and where (a JSON-path-like location such as
+    ``$[1][0].block_size``).
+    """
+
+
+class FrameError(DecodeError):
+    """A ZMQ multipart message does not have the frame layout of C§2.1/C§2.2."""
+
+
+class ConfigError(KVEventsError, ValueError):
+    """A configuration value is invalid (unknown kind, malformed endpoint, ...)."""
+
+
+class PublisherClosedError(KVEventsError, RuntimeError):
+    """``publish()`` was called after ``shutdown()``."""
+
+
+class CaptureError(KVEventsError):
+    """A capture file cannot be read or written (bad header, corrupt record)."""
+
+
+class OffloadError(KVEventsError):
+    """Misuse of the offloading manager or a cache policy (unknown policy, bad key)."""
+
+
+class EncodeError(KVEventsError, TypeError):
+    """An object cannot be encoded as a KV event batch."""

@@ -1,0 +1,282 @@
+"""Human- and machine-readable views of captured frames, and a capture summary.
+
+Used by ``kvevents inspect``; usable on its own for notebooks and scripts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvevents.capture import CaptureRecord
+from kvevents.codec import BatchDecoder, describe_payload
+from kvevents.errors import DecodeError
+from kvevents.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+
+__all__ = [
+    "CaptureSummary",
+    "DecodedEvent",
+    "EventFilter",
+    "dumps_event",
+    "event_to_json",
+    "format_event",
+    "iter_events",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class DecodedEvent:
+    """One event with where it came from."""
+
+    record: CaptureRecord
+    batch: KVEventBatch
+    index: int
+    event: KVEvent
+
+    @property
+    def worker(self) -> str:
+        rank = self.batch.data_parallel_rank or 0
+        return f"{self.record.source}#{rank}"
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """Which events to keep; ``None`` keeps all.  Matching is exact (case-insensitive
+    for ``type`` and ``medium``); ``worker`` matches ``source`` or ``source#rank``."""
+
+    type: str | None = None
+    medium: str | None = None
+    group: int | None = None
+    worker: str | None = None
+
+    def matches(self, ev: DecodedEvent) -> bool:
+        e = ev.event
+        if self.type is not None and type(e).__name__.lower() != self.type.lower():
+            return False
+        medium = _medium(e)
+        if self.medium is not None and (medium or "").upper() != self.medium.upper():
+            return False
+        if self.group is not None and getattr(e, "group_idx", None) != self.group:
+            return False
+        return not (self.worker is not None and self.worker not in (ev.record.source, ev.worker))
+
+
+def _medium(e: KVEvent) -> str | None:
+    if isinstance(e, (BlockStored, BlockRemoved)):
+        return e.medium if e.medium is not None else MEDIUM_GPU
+    return None
+
+
+def iter_events(
+    records: Iterable[CaptureRecord],
+    decoder: BatchDecoder | None = None,
+    errors: list[tuple[CaptureRecord, str]] | None = None,
+) -> Iterator[DecodedEvent]:
+    """Decode each record's payload and yield its events in order.
+
+    Undecodable payloads are skipped; when ``errors`` is given they are appended to it
+    with the reason.
+    """
+    dec = decoder or BatchDecoder()
+    for rec in records:
+        try:
+            batch = dec.decode(rec.payload)
+        except DecodeError as exc:
+            if errors is not None:
+                errors.append((rec, str(exc)))
+            continue
+        for i, e in enumerate(batch.events):
+            yield DecodedEvent(rec, batch, i, e)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def event_to_json(ev: DecodedEvent) -> dict[str, Any]:
+    """A flat JSON-ready dict: record context, then ``type`` and every event field."""
+    out: dict[str, Any] = {
+        "recv_ts": ev.record.recv_ts,
+        "source": ev.record.source,
+        "topic": ev.record.topic.decode("utf-8", "replace"),
+        "seq": ev.record.seq,
+        "replayed": ev.record.replayed,
+        "ts": ev.batch.ts,
+        "dp_rank": ev.batch.data_parallel_rank,
+        "type": type(ev.event).__name__,
+    }
+    for name in ev.event.__struct_fields__:
+        out[name] = _jsonable(getattr(ev.event, name))
+    return out
+
+
+def _short(h: Any) -> str:
+    return h.hex()[:12] if isinstance(h, bytes) else str(h)
+
+
+def _hashes(hs: list[Any]) -> str:
+    if len(hs) <= 3:
+        return "[" + ", ".join(_short(h) for h in hs) + "]"
+    return f"[{_short(hs[0])}, ... {_short(hs[-1])}] ({len(hs)})"
+
+
+def format_event(ev: DecodedEvent) -> str:
+    """One readable line per event."""
+    e = ev.event
+    head = f"seq={ev.record.seq:<6} {ev.worker:<28} "
+    if isinstance(e, BlockStored):
+        parts = [
+            f"BlockStored  {_medium(e):<7}",
+            f"group={e.group_idx}",
+            f"hashes={_hashes(e.block_hashes)}",
+            f"parent={_short(e.parent_block_hash) if e.parent_block_hash is not None else '-'}",
+            f"block_size={e.block_size}",
+            f"tokens={len(e.token_ids)}",
+        ]
+        if e.block_size == 0 and not e.token_ids:
+            parts.append("(placeholder)")
+        if e.kv_cache_spec_kind:
+            parts.append(f"kind={e.kv_cache_spec_kind}")
+        if e.lora_name:
+            parts.append(f"lora={e.lora_name}")
+        if e.locality or e.ownership:
+            parts.append(f"locality={e.locality} ownership={e.ownership}")
+        return head + " ".join(parts)
+    if isinstance(e, BlockRemoved):
+        return head + (
+            f"BlockRemoved {_medium(e):<7} group={e.group_idx} hashes={_hashes(e.block_hashes)}"
+        )
+    return head + "AllBlocksCleared"
+
+
+@dataclass
+class CaptureSummary:
+    """Counts over a capture: what ``kvevents inspect --summary`` prints."""
+
+    records: int = 0
+    batches: int = 0
+    events: int = 0
+    by_type: Counter[str] = field(default_factory=Counter)
+    by_medium: Counter[str] = field(default_factory=Counter)
+    by_group: Counter[str] = field(default_factory=Counter)
+    by_worker: Counter[str] = field(default_factory=Counter)
+    producer_versions: Counter[str] = field(default_factory=Counter)
+    seq_gaps: int = 0
+    seq_missing: int = 0
+    seq_duplicates: int = 0
+    seq_restarts: int = 0
+    undecodable: int = 0
+    unknown_tags: Counter[str] = field(default_factory=Counter)
+    placeholders: int = 0
+    placeholders_joined: int = 0
+    tail_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
+
+    def to_text(self) -> str:
+        lines = [
+            f"records {self.records}  batches {self.batches}  events {self.events}",
+            f"seq gaps {self.seq_gaps} (missing {self.seq_missing})  duplicates {self.seq_duplicates}"
+            f"  restarts {self.seq_restarts}  undecodable {self.undecodable}",
+            f"CPU/STORAGE placeholders {self.placeholders}, joined to a GPU store "
+            f"{self.placeholders_joined}",
+        ]
+        for title, counter in (
+            ("type", self.by_type),
+            ("medium", self.by_medium),
+            ("group", self.by_group),
+            ("worker", self.by_worker),
+            ("producer (vLLM)", self.producer_versions),
+            ("unknown tags", self.unknown_tags),
+        ):
+            if counter:
+                lines.append(f"by {title}:")
+                width = max(len(k) for k in counter)
+                lines.extend(f"  {k:<{width}}  {n:>9}" for k, n in counter.most_common())
+        if self.tail_error:
+            lines.append(f"capture tail: {self.tail_error}")
+        return "\n".join(lines)
+
+
+def summarize(
+    records: Iterable[CaptureRecord], event_filter: EventFilter | None = None
+) -> CaptureSummary:
+    """Count events, seq anomalies and placeholder joins over ``records``."""
+    s = CaptureSummary()
+    dec = BatchDecoder()
+    last_seq: dict[tuple[str, int], int] = {}
+    gpu_keys: set[tuple[str, int | None, Any]] = set()
+    for rec in records:
+        s.records += 1
+        try:
+            batch = dec.decode(rec.payload)
+        except DecodeError:
+            s.undecodable += 1
+            continue
+        s.batches += 1
+        try:
+            shape = describe_payload(rec.payload)
+            s.producer_versions[shape.vllm_versions or "unknown"] += 1
+        except DecodeError:  # pragma: no cover - decode above already succeeded
+            pass
+        rank = batch.data_parallel_rank or 0
+        worker = f"{rec.source}#{rank}"
+        if rec.seq >= 0:
+            key = (rec.source, rank)
+            prev = last_seq.get(key)
+            if prev is not None:
+                if rec.seq == prev + 1:
+                    pass
+                elif rec.seq > prev + 1:
+                    s.seq_gaps += 1
+                    s.seq_missing += rec.seq - prev - 1
+                elif rec.seq == prev or rec.replayed:
+                    s.seq_duplicates += 1
+                    continue
+                else:
+                    s.seq_restarts += 1
+            if prev is None or rec.seq > prev or not rec.replayed:
+                last_seq[key] = rec.seq
+        for i, e in enumerate(batch.events):
+            ev = DecodedEvent(rec, batch, i, e)
+            if event_filter is not None and not event_filter.matches(ev):
+                continue
+            s.events += 1
+            s.by_type[type(e).__name__] += 1
+            s.by_worker[worker] += 1
+            if isinstance(e, (BlockStored, BlockRemoved)):
+                medium = _medium(e) or MEDIUM_GPU
+                s.by_medium[medium] += 1
+                s.by_group[str(e.group_idx)] += 1
+            if isinstance(e, BlockStored):
+                if (e.medium or MEDIUM_GPU) == MEDIUM_GPU:
+                    gpu_keys.update((worker, e.group_idx, h) for h in e.block_hashes)
+                elif e.block_size == 0 and not e.token_ids:
+                    s.placeholders += 1
+                    if all((worker, e.group_idx, h) in gpu_keys for h in e.block_hashes):
+                        s.placeholders_joined += 1
+            elif isinstance(e, AllBlocksCleared):
+                pass
+    s.unknown_tags = dec.stats.unknown_tags
+    return s
+
+
+def dumps_event(ev: DecodedEvent) -> str:
+    """``event_to_json`` as one JSON line."""
+    return json.dumps(event_to_json(ev), separators=(",", ":"))
