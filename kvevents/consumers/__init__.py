@@ -1,0 +1,4 @@
+"""Router side: the subscriber SDK, the block index and the KV-aware router.
+
+Never imports torch or :mod:`kvevents.publishers`.
+"""

@@ -1,0 +1,1 @@
+"""Engine side: event publishers and the CPU offloading manager."""
