@@ -541,7 +541,9 @@ class ZmqEventPublisher:
                 if cursor.stalled_since is None:
                     cursor.stalled_since = now
                 elif now - cursor.stalled_since >= self.replay_stall_timeout_s:
-                    self._abandon(cursors.popleft(), "client_stalled")
+                    # Its later requests would stall behind this one: drop them all.
+                    while cursors:
+                        self._abandon(cursors.popleft(), "client_stalled")
             elif outcome == "gone":
                 while cursors:
                     self._abandon(cursors.popleft(), "client_gone")
