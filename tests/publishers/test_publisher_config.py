@@ -142,7 +142,7 @@ def test_from_cli_finds_the_flag_in_both_forms() -> None:
 def test_offset_endpoint_matches_vllm(endpoint: str, expected: list[str | None]) -> None:
     for rank, want in enumerate(expected):
         if want is None:
-            with pytest.raises(ValueError, match="rank 1|rank 2") as info:
+            with pytest.raises(ValueError, match=f"rank {rank}") as info:
                 offset_endpoint(endpoint, rank)
             assert isinstance(info.value, ConfigError)
         else:
