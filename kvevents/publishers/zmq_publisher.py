@@ -192,6 +192,9 @@ class ZmqEventPublisher:
     cannot be bound or connected.
     """
 
+    offset_endpoint_port = staticmethod(offset_endpoint)
+    """vLLM's name for :func:`~kvevents.publishers.factory.offset_endpoint`."""
+
     def __init__(
         self,
         data_parallel_rank: int = 0,
@@ -315,8 +318,13 @@ class ZmqEventPublisher:
         assigns the next seq.  If the queue is full the batch is dropped and counted;
         its seq is still consumed so consumers see a gap.  The caller must not mutate
         ``batch`` afterwards.  Raises :class:`PublisherClosedError` after
-        :meth:`shutdown`.
+        :meth:`shutdown`, and :class:`~kvevents.errors.EncodeError` (a ``TypeError``)
+        if ``batch`` is not an :class:`~kvevents.events.EventBatch` (no seq is used).
         """
+        if not isinstance(batch, EventBatch):
+            raise EncodeError(
+                f"publish() takes a KVEventBatch (an EventBatch), got {type(batch).__name__}"
+            )
         batch.data_parallel_rank = self.data_parallel_rank
         with self._lock:
             if self._closed:
@@ -395,7 +403,7 @@ class ZmqEventPublisher:
     # --- helpers ----------------------------------------------------------------------
 
     def _count_drop(self, reason: str, events: int) -> None:
-        """Count one lost batch; the caller holds ``self._lock`` or takes it here."""
+        """Count one lost batch; the caller holds ``self._lock``."""
         self.stats.dropped_batches += 1
         self.stats.dropped_events += events
         self.stats.drop_reasons[reason] += 1

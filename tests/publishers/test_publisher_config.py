@@ -151,6 +151,7 @@ def test_offset_endpoint_matches_vllm(endpoint: str, expected: list[str | None])
 
 def test_offset_endpoint_none_and_overflow() -> None:
     assert offset_endpoint(None, 3) is None
+    assert ZmqEventPublisher.offset_endpoint_port("tcp://*:5557", 1) == "tcp://*:5558"
     with pytest.raises(ConfigError, match="above 65535"):
         offset_endpoint("tcp://*:65535", 1)
 

@@ -107,6 +107,16 @@ def test_shutdown_flushes_queued_batches(ctx: zmq.Context[Any]) -> None:
     sub.close()
 
 
+def test_publish_rejects_a_non_batch_without_using_a_seq(ctx: zmq.Context[Any]) -> None:
+    with ZmqEventPublisher(endpoint=f"inproc://kv-type-{uuid.uuid4().hex}") as pub:
+        sub = subscribe(ctx, pub.endpoint)
+        with pytest.raises(TypeError, match="got list"):
+            pub.publish([BlockRemoved([1], "GPU")])  # type: ignore[arg-type]
+        pub.publish(removed_batch(0))
+        assert recv(sub)[1] == pack_seq(0)
+        sub.close()
+
+
 def test_publish_after_shutdown_raises_and_shutdown_is_idempotent() -> None:
     pub = ZmqEventPublisher(endpoint="tcp://*:0")
     pub.shutdown()
