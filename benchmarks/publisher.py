@@ -281,7 +281,15 @@ def main() -> None:
     stalled_sub.setsockopt(zmq.RCVHWM, 1)
     stalled_sub.setsockopt(zmq.SUBSCRIBE, b"")
     stalled_sub.connect(connect_addr(pub2.endpoint))
+    while True:  # connected (a probe arrived, left unread), then it never reads
+        pub2.publish(batches[0])
+        if stalled_sub.poll(20):
+            break
     stalled = time_calls(lambda i: pub2.publish(batches[i]), n)
+    while pub2.queue_size:  # let its sender finish before the next measurement
+        time.sleep(0.01)
+    pub2.shutdown()
+    stalled_sub.close(linger=0)
 
     # 4. publish() with the sender thread stalled: full queue, every call drops.
     pub3 = ZmqEventPublisher(endpoint="tcp://*:0", max_queue_size=1, warn_interval_s=3600)
@@ -289,9 +297,7 @@ def main() -> None:
     dropping = time_calls(lambda i: pub3.publish(batches[i]), n)
     drops = pub3.stats.dropped_batches
     pub3._resume_sender()
-    for p in (pub2, pub3):
-        p.shutdown()
-    stalled_sub.close(linger=0)
+    pub3.shutdown()
 
     # 5. Live latency while a long replay is served: sliced vs one synchronous burst
     #    (vLLM's behaviour), same publisher code otherwise.
