@@ -265,6 +265,7 @@ class ZmqEventPublisher:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._replays: dict[bytes, deque[_ReplayCursor]] = {}
+        self._replays_stalled = False  # no replay client accepted anything last round
         self._lock = threading.Lock()  # seq + enqueue order; drop counters
         self._next_seq = 0
         self._closed = False
@@ -466,7 +467,9 @@ class ZmqEventPublisher:
         closing = self._closing.is_set()
         if closing and time.monotonic() >= self._deadline:
             return True
-        wait = not self._replays and not closing
+        # Block for the next batch unless a replay can make progress right now; a
+        # replay whose client is full is retried after at most idle_poll_s.
+        wait = (not self._replays or self._replays_stalled) and not closing
         timeout = self.idle_poll_s if self._router is not None else max(self.idle_poll_s, 0.1)
         sent = 0
         while sent < self.live_burst:
@@ -485,7 +488,7 @@ class ZmqEventPublisher:
         if self._router is not None:
             self._accept_requests()
             if self._replays:
-                self._serve_replays()
+                self._replays_stalled = not self._serve_replays()
         return closing and sent == 0 and self._queue.empty()
 
     def _send_live(self, seq: int, batch: EventBatch) -> None:
@@ -534,16 +537,21 @@ class ZmqEventPublisher:
             cursor = _ReplayCursor(identity, snapshot, position)
             self._replays.setdefault(identity, deque()).append(cursor)
 
-    def _serve_replays(self) -> None:
-        """Send at most ``replay_slice`` replies to each client with a replay pending."""
+    def _serve_replays(self) -> bool:
+        """Send at most ``replay_slice`` replies to each client with a replay pending.
+
+        Returns whether any client accepted a reply (False: every client was full).
+        """
         router = self._router
         assert router is not None
         now = time.monotonic()
+        progressed = False
         for identity in list(self._replays):
             cursors = self._replays[identity]
             cursor = cursors[0]
             outcome = self._advance(router, cursor)
             if outcome == "progress":
+                progressed = True
                 cursor.stalled_since = None
             elif outcome == "stalled":
                 if cursor.stalled_since is None:
@@ -553,12 +561,14 @@ class ZmqEventPublisher:
                     while cursors:
                         self._abandon(cursors.popleft(), "client_stalled")
             elif outcome == "gone":
+                progressed = True
                 while cursors:
                     self._abandon(cursors.popleft(), "client_gone")
             if cursor.end_sent and cursors and cursors[0] is cursor:
                 cursors.popleft()
             if not cursors:
                 del self._replays[identity]
+        return progressed
 
     def _advance(self, router: zmq.Socket[Any], cursor: _ReplayCursor) -> str:
         """Send up to one slice for ``cursor``: ``progress``, ``stalled`` or ``gone``."""

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from pubtest_helpers import dealer, read_replay, recv, removed_batch, subscribe, wait_until
+from pubtest_helpers import dealer, read_replay, recv, removed_batch, subscribe, wait_until, warm_up
 
 from kvevents.codec import END_SEQ, pack_seq, parse_replay_reply, unpack_seq
 from kvevents.publishers import ZmqEventPublisher
@@ -178,3 +178,28 @@ def test_no_replay_socket_without_replay_endpoint() -> None:
         assert pub.replay_endpoint is None
         pub.publish(removed_batch(0))
         wait_until(lambda: pub.stats.batches_published == 1)
+
+
+def test_live_frames_over_tcp_match_the_transcript(ctx: zmq.Context[Any]) -> None:
+    """The same frames over TCP (after probes: a TCP subscriber joins asynchronously)."""
+    with ZmqEventPublisher(
+        endpoint="tcp://*:0", replay_endpoint="tcp://*:0", buffer_steps=1000, topic="kv@pod"
+    ) as pub:
+        sub = subscribe(ctx, pub.endpoint)
+        n = warm_up(pub, sub)
+        for i in range(5):
+            pub.publish(removed_batch(i))
+        for i in range(5):
+            topic, seq, payload = recv(sub)
+            assert (topic, unpack_seq(seq)) == (TOPIC, n + i)
+            assert msgspec.msgpack.decode(payload) == [
+                float(i),
+                [{"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}],
+                0,
+            ]
+        # The probes too were numbered from 0: replay shows the very first batch.
+        client = dealer(ctx, pub.replay_endpoint)
+        client.send_multipart([b"", pack_seq(0)])
+        assert [unpack_seq(r[2]) for r in read_replay(client)[:-1]] == list(range(n + 5))
+        client.close()
+        sub.close()
