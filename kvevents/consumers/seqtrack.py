@@ -28,7 +28,8 @@ The rules (DESIGN §4, C§6.3, C§9.6):
 * At the end of a replay every hole at or below the newest seq known to be published
   before the request is reported lost; a hole above it (live traffic lost after the
   request) starts another replay.
-* ``seq <= last`` is a *duplicate* if it carries the same fingerprint as the batch
+* ``seq <= last`` (or, during a replay, below the newest live seq buffered) is a
+  *duplicate* if it carries the same fingerprint as the batch
   delivered with that seq (the caller uses a hash of the payload bytes: a resent batch is
   byte-identical); otherwise the seq went backwards because the publisher restarted.  A
   restart is reported, every buffered batch of the old stream is discarded (named in the
@@ -135,6 +136,7 @@ class StreamTracker(Generic[T]):
         self._pending: dict[int, _Pending[T]] = {}
         self._heap: list[int] = []
         self._watermark = -1
+        self._newest_live = -1
 
     @property
     def replaying(self) -> bool:
@@ -240,6 +242,7 @@ class StreamTracker(Generic[T]):
         self._replay_id += 1
         self._next = start
         self._pending = {seq: (item, fingerprint, False)}
+        self._newest_live = seq
         self._heap = [seq]
         self._watermark = seq
         out.append(StartReplay(start, self._replay_id))
@@ -259,6 +262,10 @@ class StreamTracker(Generic[T]):
             if entry[2]:
                 return [Drop(seq, "replay_overlap")]
             return [Report(DUPLICATE, seq, seq, "already buffered; dropped")]
+        if seq < self._newest_live:
+            # Live traffic of one publisher never goes backwards: a new process.
+            return self._restart(seq, item, fingerprint)
+        self._newest_live = seq
         self._pending[seq] = (item, fingerprint, False)
         heapq.heappush(self._heap, seq)
         if len(self._pending) > self._max_pending:
