@@ -191,6 +191,7 @@ class _ReplayJob:
     deadline: float
     sent: bool = False
     replies: int = 0
+    waited: int = 0
 
 
 class _RateLimitedLog:
@@ -233,7 +234,9 @@ class Subscriber:
     again; ``decoder`` is a :class:`BatchDecoder` to use (its stats count skipped events);
     ``history`` and ``max_pending`` are passed to each
     :class:`~kvevents.consumers.seqtrack.StreamTracker`; ``rcvhwm`` is the SUB high-water
-    mark; ``receive_batch`` the most messages read from one source per wake-up.
+    mark; ``receive_batch`` the most messages read from one source per wake-up;
+    ``inband_window`` how many live records of a capture may follow a gap before the
+    recorded replay answering it is given up (the gap is then reported lost).
     """
 
     def __init__(
@@ -252,6 +255,7 @@ class Subscriber:
         max_pending: int = 100_000,
         rcvhwm: int = 100_000,
         receive_batch: int = 256,
+        inband_window: int = 1024,
     ) -> None:
         if replay_timeout <= 0 or max_concurrent_replays < 1 or replay_cooldown < 0:
             raise ConfigError(
@@ -274,6 +278,7 @@ class Subscriber:
         self._history = history
         self._max_pending = max_pending
         self._batch = receive_batch
+        self._inband_window = inband_window
         self._sources: list[Source] = []
         try:
             for spec in specs:
@@ -449,14 +454,22 @@ class Subscriber:
             item = _Item(msg.topic, msg.payload, decoded, msg.recv_ts, msg.replayed)
             fp = hash(msg.payload)
             if src.replay_inband:
+                # A recording answers its own gaps: the replayed records that follow a
+                # gap are the replay.  It ends at a recorded end marker, at the first
+                # live record after a reply, or when no reply came within
+                # ``inband_window`` live records (the gap was never repaired).
                 job = self._inband.get(key)
                 if job is not None:
                     if msg.replayed:
                         job.replies += 1
                         self._apply(key, tracker.replayed(job.replay_id, msg.seq, item, fp))
                         return
-                    if job.replies:
+                    job.waited += 1
+                    if job.replies or job.waited > self._inband_window:
                         self._end_inband_job(key, job)
+                elif msg.replayed and tracker.last is not None and msg.seq <= tracker.last:
+                    self.stats.dropped["stale_replay"] += 1
+                    return
             self._apply(key, tracker.live(msg.seq, item, fp))
         elif kind == REPLAY:
             queue = self._queues[src.name]

@@ -10,17 +10,17 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _zmq_helpers import FaultyPublisher, drain, make_batch, summarize, wait_until  # noqa: E402
+from _zmq_helpers import FaultyPublisher, drain, make_batch, summarize
 
-from kvevents.codec import decode_batch, encode_batch, pack_live  # noqa: E402
-from kvevents.consumers import (  # noqa: E402
+from kvevents.codec import decode_batch, encode_batch, pack_live
+from kvevents.consumers import (
     ANOMALY_KINDS,
     Anomaly,
     ReceivedBatch,
     Subscriber,
     ZmqSource,
 )
-from kvevents.errors import ConfigError  # noqa: E402
+from kvevents.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -205,7 +205,16 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
     assert len(timeouts) == 1 and timeouts[0].source == dead.endpoint
     losses = anomalies_of(items, "unrecoverable_loss")
     assert [(a.first_seq, a.last_seq) for a in losses] == [(2, 2), (7, 7)]
-    assert [b.seq for b in batches_of(items) if b.source == dead.endpoint] == [0, 1, 3, 4, 5, 6, 8, 9]
+    assert [b.seq for b in batches_of(items) if b.source == dead.endpoint] == [
+        0,
+        1,
+        3,
+        4,
+        5,
+        6,
+        8,
+        9,
+    ]
     assert dead.requests == [2]
     assert sub.stats.replays["timed_out"] == 1 and sub.stats.replays["cooldown"] == 1
 
@@ -246,7 +255,8 @@ def test_replays_are_bounded_in_concurrency():
         items += drain(sub, lambda it: len(second.requests) == 1)
         second.release.set()
         items += drain(
-            sub, lambda it: sum(isinstance(i, ReceivedBatch) and i.seq == 3 for i in items + it) == 2
+            sub,
+            lambda it: sum(isinstance(i, ReceivedBatch) and i.seq == 3 for i in items + it) == 2,
         )
     for pub, sent in ((a, sent_a), (b, sent_b)):
         got = [x for x in batches_of(items) if x.source == pub.endpoint]
@@ -307,7 +317,9 @@ def test_rank_none_on_the_wire_reads_as_rank_zero():
         pub.wait_for_subscribers()
         pub.publish(make_batch(0, rank=None))
         (item,) = drain(sub, lambda it: len(it) == 1)
-    assert isinstance(item, ReceivedBatch) and item.dp_rank == 0 and item.worker == (pub.endpoint, 0)
+    assert (
+        isinstance(item, ReceivedBatch) and item.dp_rank == 0 and item.worker == (pub.endpoint, 0)
+    )
 
 
 def test_publisher_process_replaced_on_same_endpoint_is_followed():
