@@ -23,8 +23,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import parse_args, report, result  # noqa: E402
-from kvevents.codec import (  # noqa: E402
+from benchmarks._common import parse_args, report, result
+from kvevents.codec import (
     encode_batch,
     pack_live,
     pack_replay_end,
@@ -32,8 +32,8 @@ from kvevents.codec import (  # noqa: E402
     pack_replay_request,
     parse_replay_request,
 )
-from kvevents.consumers import ReceivedBatch, Subscriber  # noqa: E402
-from kvevents.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from kvevents.consumers import ReceivedBatch, Subscriber
+from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 
 TOPIC = b"kv@bench"
 

@@ -153,6 +153,23 @@ class StreamTracker(Generic[T]):
         """Batches buffered while a replay runs."""
         return len(self._pending)
 
+    def catch_up(self) -> StartReplay | None:
+        """Start following a fresh stream by replay from seq 0, before any live batch.
+
+        Returns the request to make, or None if the stream is already being followed
+        (or replayed).  Replies, the end marker or a failure then go through
+        :meth:`replayed`, :meth:`replay_end` and :meth:`replay_failed` as usual."""
+        if self.last is not None or self._replaying:
+            return None
+        self._replaying = True
+        self._replay_id += 1
+        self._next = 0
+        self._pending = {}
+        self._heap = []
+        self._watermark = -1
+        self._newest_live = -1
+        return StartReplay(0, self._replay_id)
+
     # --- inputs ---------------------------------------------------------------------
     def live(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:
         """A batch arrived on the live stream."""

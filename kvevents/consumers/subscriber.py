@@ -192,6 +192,14 @@ class _ReplayJob:
     sent: bool = False
     replies: int = 0
     waited: int = 0
+    catch_up: dict[tuple[str, int], int] | None = None
+    """For the start-up catch-up of a source: the streams it fed, with their replay ids."""
+
+    def streams(self) -> list[tuple[tuple[str, int], int]]:
+        """``(stream, replay_id)`` pairs this job answers."""
+        if self.catch_up is not None:
+            return list(self.catch_up.items())
+        return [(self.stream, self.replay_id)]
 
 
 class _RateLimitedLog:
@@ -227,7 +235,8 @@ class Subscriber:
     the replay (ROUTER) endpoint of each string endpoint: a sequence aligned with
     ``endpoints`` (None entries allowed) or a mapping from endpoint to replay endpoint.
 
-    Options: ``replay_from_start`` catches a newly seen stream up from seq 0;
+    Options: ``replay_from_start`` asks each source's replay endpoint for its whole
+    buffer when the subscriber starts, and catches any stream seen later up from seq 0;
     ``replay_timeout`` (s) bounds how long a worker's stream may wait on a replay (queueing
     included); ``max_concurrent_replays`` bounds replays in flight over all sources;
     ``replay_cooldown`` (s) is how long a source whose replay timed out is not asked
@@ -311,6 +320,8 @@ class Subscriber:
         self._owner: dict[Any, Source] = {}
         self._log = _RateLimitedLog()
         self._closed = False
+        if replay_from_start:
+            self._catch_up_sources()
 
     # --- public API -----------------------------------------------------------------
     @property
@@ -481,15 +492,25 @@ class Subscriber:
             decoded = self._decode(origin, msg)
             if decoded is None:
                 return
-            rank = decoded.data_parallel_rank or 0
-            if (origin, rank) != job.stream:
-                self.stats.dropped["replay_other_rank"] += 1
-                return
+            key = (origin, decoded.data_parallel_rank or 0)
             topic = msg.topic or self._last_topic.get(origin, b"")
             item = _Item(topic, msg.payload, decoded, msg.recv_ts, True)
-            tracker = self._trackers[job.stream]
+            if job.catch_up is not None:
+                replay_id = job.catch_up.get(key)
+                if replay_id is None:
+                    tracker = self._tracker(key, src)
+                    start = tracker.catch_up()
+                    if start is None:  # already following: live traffic got there first
+                        self.stats.dropped["catch_up_overlap"] += 1
+                        return
+                    replay_id = job.catch_up[key] = start.replay_id
+            elif key != job.stream:
+                self.stats.dropped["replay_other_rank"] += 1
+                return
+            else:
+                replay_id = job.replay_id
             self._apply(
-                job.stream, tracker.replayed(job.replay_id, msg.seq, item, hash(msg.payload))
+                key, self._trackers[key].replayed(replay_id, msg.seq, item, hash(msg.payload))
             )
         elif kind == REPLAY_END:
             if src.replay_inband:
@@ -502,7 +523,8 @@ class Subscriber:
             job = queue.popleft()
             self._active -= 1
             self.stats.replays["completed"] += 1
-            self._apply(job.stream, self._trackers[job.stream].replay_end(job.replay_id))
+            for key, replay_id in job.streams():
+                self._apply(key, self._trackers[key].replay_end(replay_id))
             self._pump(now)
         elif kind == BAD_FRAME:
             self.stats.dropped["bad_frame"] += 1
@@ -622,8 +644,10 @@ class Subscriber:
             queue = self._queues[src.name]
             while queue and not queue[0].sent:
                 job = queue[0]
-                tracker = self._trackers[job.stream]
-                if not tracker.replaying or tracker.replay_id != job.replay_id:
+                tracker = self._trackers.get(job.stream)
+                if job.catch_up is None and (
+                    tracker is None or not tracker.replaying or tracker.replay_id != job.replay_id
+                ):
                     queue.popleft()
                     self.stats.replays["superseded"] += 1
                     continue
@@ -663,22 +687,16 @@ class Subscriber:
                 jobs = list(queue)
                 queue.clear()
                 for job in jobs:
-                    self._apply(
-                        job.stream,
-                        self._trackers[job.stream].replay_failed(job.replay_id, detail),
-                    )
+                    self._fail_job(job, detail)
                 continue
             keep: deque[_ReplayJob] = deque()
             for job in queue:
                 if not job.sent and job.deadline <= now:
                     self.stats.replays["queue_timeout"] += 1
-                    self._apply(
-                        job.stream,
-                        self._trackers[job.stream].replay_failed(
-                            job.replay_id,
-                            f"replay could not start within {self.replay_timeout:g} s "
-                            f"({self.max_concurrent_replays} already running)",
-                        ),
+                    self._fail_job(
+                        job,
+                        f"replay could not start within {self.replay_timeout:g} s "
+                        f"({self.max_concurrent_replays} already running)",
                     )
                 else:
                     keep.append(job)
@@ -686,6 +704,22 @@ class Subscriber:
             queue.extend(keep)
         if expired:
             self._pump(now)
+
+    def _fail_job(self, job: _ReplayJob, detail: str) -> None:
+        for key, replay_id in job.streams():
+            self._apply(key, self._trackers[key].replay_failed(replay_id, detail))
+
+    def _catch_up_sources(self) -> None:
+        """``replay_from_start``: ask every source with a replay endpoint for its whole
+        buffer at once, so a subscriber catches up even before new traffic arrives.  The
+        replies create the streams they belong to (the rank is in each batch)."""
+        now = time.monotonic()
+        for src in self._sources:
+            if src.can_replay and not src.replay_inband:
+                self.stats.replays["catch_up"] += 1
+                job = _ReplayJob((src.name, -1), 0, 0, now + self.replay_timeout, catch_up={})
+                self._queues[src.name].append(job)
+        self._pump(now)
 
     def _end_inband_job(self, key: tuple[str, int], job: _ReplayJob) -> None:
         del self._inband[key]

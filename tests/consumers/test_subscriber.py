@@ -165,6 +165,19 @@ def test_late_joiner_catches_up_through_replay_from_start():
     assert anomalies_of(items) == []
 
 
+def test_late_joiner_catches_up_before_any_new_traffic():
+    with FaultyPublisher(buffer_steps=8) as pub:
+        early = pub.publish_many(make_batch(i) for i in range(20))  # nobody listening
+        with Subscriber(
+            pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
+        ) as sub:
+            items = drain(sub, got_seq(19))
+    # Only the last 8 were still buffered: the rest is reported, never silently skipped.
+    assert summarize(items) == ["unrecoverable_loss(0..11)"] + [f"B{i}r" for i in range(12, 20)]
+    assert [b.payload for b in batches_of(items)] == [p for _, p in early[12:]]
+    assert pub.requests == [0] and sub.stats.replays["catch_up"] == 1
+
+
 def test_late_joiner_without_replay_from_start_follows_from_first_seen():
     with FaultyPublisher() as pub:
         pub.publish_many(make_batch(i) for i in range(5))
