@@ -11,6 +11,7 @@ from kvevents.consumers.subscriber import (
     Anomaly,
     ReceivedBatch,
     Subscriber,
+    SubscriberItem,
     SubscriberStats,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "SourceMessage",
     "StreamTracker",
     "Subscriber",
+    "SubscriberItem",
     "SubscriberStats",
     "ZmqSource",
 ]

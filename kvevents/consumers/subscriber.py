@@ -69,6 +69,7 @@ __all__ = [
     "Anomaly",
     "ReceivedBatch",
     "Subscriber",
+    "SubscriberItem",
     "SubscriberStats",
 ]
 
