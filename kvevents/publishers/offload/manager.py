@@ -120,7 +120,9 @@ class CPUOffloadingManager(OffloadingManager):
         elif isinstance(cache_policy, type) and issubclass(cache_policy, CachePolicy):
             policy_cls = cache_policy
         else:
-            raise OffloadError(f"cache_policy must be a name or CachePolicy class: {cache_policy!r}")
+            raise OffloadError(
+                f"cache_policy must be a name or CachePolicy class: {cache_policy!r}"
+            )
         self.num_chunks = num_chunks
         self.policy: CachePolicy = policy_cls(num_chunks)
         self.events: list[OffloadingEvent] | None = [] if enable_events else None

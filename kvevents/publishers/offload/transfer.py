@@ -172,7 +172,9 @@ class CPUTransferWorker:
         if buffers is None:
             if kv_caches is None:
                 raise OffloadError("give kv_caches and num_chunks, or buffers")
-            buffers = HostChunkBuffers(kv_caches, num_chunks, blocks_per_chunk, pin_memory=pin_memory)
+            buffers = HostChunkBuffers(
+                kv_caches, num_chunks, blocks_per_chunk, pin_memory=pin_memory
+            )
         self.buffers = buffers
         self.is_cuda = buffers.device.type == "cuda"
         self._streams: dict[str, Any] = {}
@@ -183,10 +185,16 @@ class CPUTransferWorker:
     # --- planning ----------------------------------------------------------------------
 
     def _plan(
-        self, device_spec: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any], chunks: CPULoadStoreSpec
+        self,
+        device_spec: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any],
+        chunks: CPULoadStoreSpec,
     ) -> _Plan:
         b = self.buffers
-        spec = device_spec if isinstance(device_spec, GPULoadStoreSpec) else GPULoadStoreSpec(device_spec)
+        spec = (
+            device_spec
+            if isinstance(device_spec, GPULoadStoreSpec)
+            else GPULoadStoreSpec(device_spec)
+        )
         if len(spec.group_sizes) != 1:
             raise OffloadError("one block table per transfer: multi-group specs are not supported")
         blocks = spec.block_ids.astype(np.int64)
@@ -249,13 +257,17 @@ class CPUTransferWorker:
                 if store:
                     staging = dev.index_select(0, idx)
                     for row, start, length in plan.runs:
-                        host[row : row + length].copy_(staging[start : start + length], non_blocking=True)
+                        host[row : row + length].copy_(
+                            staging[start : start + length], non_blocking=True
+                        )
                 else:
                     staging = torch.empty(
                         (plan.num_blocks, dev.shape[1]), dtype=dev.dtype, device=dev.device
                     )
                     for row, start, length in plan.runs:
-                        staging[start : start + length].copy_(host[row : row + length], non_blocking=True)
+                        staging[start : start + length].copy_(
+                            host[row : row + length], non_blocking=True
+                        )
                     dev.index_copy_(0, idx, staging)
                 job.keep.append(staging)
             job.keep.append(idx)
@@ -326,7 +338,11 @@ class CPUTransferWorker:
                     break
                 job.seconds = job.start_event.elapsed_time(job.end_event) / 1e3
             self._jobs.popleft()
-            out.append(TransferResult(job.job_id, job.success, job.nbytes if job.success else 0, job.seconds))
+            out.append(
+                TransferResult(
+                    job.job_id, job.success, job.nbytes if job.success else 0, job.seconds
+                )
+            )
         return out
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
@@ -355,7 +371,9 @@ class OffloadTransferDriver:
         self._ids = itertools.count()
         self._pending: dict[int, tuple[bool, list[OffloadKey], ReqContext | None]] = {}
 
-    def _blocks(self, keys: Sequence[OffloadKey], device_blocks: Mapping[OffloadKey, Sequence[int]]) -> list[int]:
+    def _blocks(
+        self, keys: Sequence[OffloadKey], device_blocks: Mapping[OffloadKey, Sequence[int]]
+    ) -> list[int]:
         out: list[int] = []
         for key in keys:
             try:
@@ -382,7 +400,9 @@ class OffloadTransferDriver:
             raise OffloadError("the manager's store spec is not a CPU chunk spec")
         job_id = next(self._ids)
         try:
-            self.worker.submit_store(job_id, self._blocks(out.keys_to_store, device_blocks), out.store_spec)
+            self.worker.submit_store(
+                job_id, self._blocks(out.keys_to_store, device_blocks), out.store_spec
+            )
         except Exception:
             self.manager.complete_store(out.keys_to_store, ctx, success=False)
             raise

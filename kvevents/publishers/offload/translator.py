@@ -174,9 +174,7 @@ class OffloadEventTranslator:
         self.tokens_per_hash = tokens_per_hash
         self.self_describing = self_describing
         self.max_snapshots = max_snapshots
-        self._to_wire: Callable[[bytes], ExternalBlockHash] = (
-            to_wire_hash if int_hashes else bytes
-        )
+        self._to_wire: Callable[[bytes], ExternalBlockHash] = to_wire_hash if int_hashes else bytes
         self._snapshots: OrderedDict[OffloadKey, ChunkSnapshot] = OrderedDict()
         self._warned_fallback = False
         self.stats = TranslatorStats()

@@ -190,7 +190,9 @@ def toks(n: int) -> list[int]:
     return list(range(1, n + 1))
 
 
-def translator(bpc: int = 1, self_describing: bool = True, n_groups: int = 1) -> OffloadEventTranslator:
+def translator(
+    bpc: int = 1, self_describing: bool = True, n_groups: int = 1
+) -> OffloadEventTranslator:
     return OffloadEventTranslator(
         [OffloadGroup(4)] * n_groups,
         blocks_per_chunk=bpc,
@@ -199,7 +201,9 @@ def translator(bpc: int = 1, self_describing: bool = True, n_groups: int = 1) ->
     )
 
 
-def recorded(tr: OffloadEventTranslator, raw: list[bytes], tokens: list[int], group: int = 0) -> list[OffloadKey]:
+def recorded(
+    tr: OffloadEventTranslator, raw: list[bytes], tokens: list[int], group: int = 0
+) -> list[OffloadKey]:
     keys = [k for k, _ in tr.chunk_keys(raw, group)]
     for c, k in enumerate(keys):
         tr.record_chunk(k, c, raw, tokens)
