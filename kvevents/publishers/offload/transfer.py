@@ -10,10 +10,11 @@ Layout:
   viewed as ``(num_chunks × blocks_per_chunk, page_bytes)`` rows: device block ``j`` of
   chunk ``c`` lives in row ``c·blocks_per_chunk + j``.
 
-Copies are batched: the host rows of a transfer are sorted and split into runs of
-consecutive rows; each run is one ``index_select(..., out=host_rows)`` (store) or
-``index_copy_`` (load) per tensor on CPU, so data moves once, with no Python loop per
-block.  On CUDA the blocks are gathered on the device, and each run is one asynchronous
+Copies are batched and move every byte once.  On CPU the transfer's rows are sorted and
+split into runs of consecutive rows, either on the destination side (one
+``index_select(src, 0, idx, out=dst[run])`` per run) or on the source side (one
+``dst.index_copy_(0, idx, src[run])`` per run), whichever gives fewer calls; there is no
+Python loop per block.  Rows are viewed with the widest integer type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is one asynchronous
 copy on a side stream that waits for the compute stream; transfers stay in submission
 order and report their device time.
 
@@ -64,6 +65,18 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).view(torch.int8)
 
 
+def _widest(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 row view re-viewed with the widest integer type that tiles its pages.
+
+    Copy kernels move wide elements several times faster than bytes; the bits are the
+    same.
+    """
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows.shape[1] % size == 0 and rows.data_ptr() % size == 0:
+            return rows.view(dtype)
+    return rows
+
+
 class HostChunkBuffers:
     """Host chunk tensors mirroring a set of device KV tensors.
 
@@ -105,6 +118,12 @@ class HostChunkBuffers:
             h.view(num_chunks * blocks_per_chunk, r.shape[1])
             for h, r in zip(self.host, self.device_rows)
         ]
+        # Same bytes, widest element type: what the copy kernels work on.
+        self.device_words = [_widest(r) for r in self.device_rows]
+        self.host_words = [
+            h.view(w.dtype) if w.dtype != torch.int8 else h
+            for h, w in zip(self.host_rows, self.device_words)
+        ]
 
     @property
     def bytes_per_block(self) -> int:
@@ -131,10 +150,34 @@ class TransferStats:
     """Failed jobs by reason (``copy_error``)."""
 
 
+Runs = list[tuple[int, int, int]]  # (destination start, index start, length)
+
+
+def _runs(
+    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], *, unique: bool = True
+) -> tuple[Runs, torch.Tensor]:
+    """Sort by ``dst``; split into runs of consecutive ``dst`` values.
+
+    Returns the runs and the ``src`` values in that order (an int64 tensor).  With
+    ``unique``, a repeated ``dst`` value raises :class:`OffloadError`.
+    """
+    order = np.argsort(dst, kind="stable")
+    dst = dst[order]
+    if unique and dst.size > 1 and np.any(np.diff(dst) == 0):
+        raise OffloadError("a destination block or chunk is named twice in one transfer")
+    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    ends = np.concatenate((breaks, [dst.size])).astype(np.int64)
+    runs = [(int(dst[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
+    return runs, torch.from_numpy(np.ascontiguousarray(src[order]))
+
+
 @dataclass
 class _Plan:
-    device_idx: torch.Tensor  # int64 device block ids, sorted by host row
-    runs: list[tuple[int, int, int]]  # (host row start, index start, length)
+    blocks: npt.NDArray[np.int64]  # device block ids, transfer order
+    rows: npt.NDArray[np.int64]  # host rows, aligned with ``blocks``
+    host_runs: Runs  # runs of consecutive host rows …
+    device_idx: torch.Tensor  # … and the device blocks in that order
     num_blocks: int
 
 
@@ -213,16 +256,8 @@ class CPUTransferWorker:
             raise OffloadError(f"chunk ids must be in [0, {b.num_chunks})")
         slots = np.arange(skip, skip + n, dtype=np.int64)
         rows = chunk_ids[slots // bpc] * bpc + slots % bpc
-        order = np.argsort(rows, kind="stable")
-        rows = rows[order]
-        if n > 1 and np.any(np.diff(rows) == 0):
-            raise OffloadError("a host chunk is named twice in one transfer")
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        starts = np.concatenate(([0], breaks)).astype(np.int64)
-        ends = np.concatenate((breaks, [n])).astype(np.int64)
-        runs = [(int(rows[s]), int(s), int(e - s)) for s, e in zip(starts, ends) if e > s]
-        idx = torch.from_numpy(np.ascontiguousarray(blocks[order]))
-        return _Plan(device_idx=idx, runs=runs, num_blocks=n)
+        runs, idx = _runs(rows, blocks)
+        return _Plan(blocks=blocks, rows=rows, host_runs=runs, device_idx=idx, num_blocks=n)
 
     # --- copies --------------------------------------------------------------------------
 
@@ -234,13 +269,29 @@ class CPUTransferWorker:
         return stream
 
     def _copy_cpu(self, plan: _Plan, store: bool) -> None:
-        for dev, host in zip(self.buffers.device_rows, self.buffers.host_rows):
-            for row, start, length in plan.runs:
-                idx = plan.device_idx[start : start + length]
-                if store:
-                    torch.index_select(dev, 0, idx, out=host[row : row + length])
-                else:
-                    dev.index_copy_(0, idx, host[row : row + length])
+        # Every byte moves once: either gather each run of consecutive destination rows
+        # with ``index_select(..., out=dst[run])``, or scatter each run of consecutive
+        # source rows with ``dst.index_copy_(0, idx, src[run])``, whichever needs fewer
+        # calls.  Rows are viewed with the widest integer type that tiles them.
+        src_pos, dst_pos = (plan.blocks, plan.rows) if store else (plan.rows, plan.blocks)
+        if store:
+            gather_runs, gather_idx = plan.host_runs, plan.device_idx
+        else:
+            gather_runs, gather_idx = _runs(dst_pos, src_pos)
+        scatter_runs, scatter_idx = _runs(src_pos, dst_pos, unique=False)
+        gather = len(gather_runs) <= len(scatter_runs)
+        for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
+            src, dst = (dev, host) if store else (host, dev)
+            if gather:
+                for first, start, length in gather_runs:
+                    torch.index_select(
+                        src, 0, gather_idx[start : start + length], out=dst[first : first + length]
+                    )
+            else:
+                for first, start, length in scatter_runs:
+                    dst.index_copy_(
+                        0, scatter_idx[start : start + length], src[first : first + length]
+                    )
 
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")
@@ -256,7 +307,7 @@ class CPUTransferWorker:
             for dev, host in zip(self.buffers.device_rows, self.buffers.host_rows):
                 if store:
                     staging = dev.index_select(0, idx)
-                    for row, start, length in plan.runs:
+                    for row, start, length in plan.host_runs:
                         host[row : row + length].copy_(
                             staging[start : start + length], non_blocking=True
                         )
@@ -264,7 +315,7 @@ class CPUTransferWorker:
                     staging = torch.empty(
                         (plan.num_blocks, dev.shape[1]), dtype=dev.dtype, device=dev.device
                     )
-                    for row, start, length in plan.runs:
+                    for row, start, length in plan.host_runs:
                         staging[start : start + length].copy_(
                             host[row : row + length], non_blocking=True
                         )
@@ -282,6 +333,8 @@ class CPUTransferWorker:
         store: bool,
     ) -> None:
         plan = self._plan(device_spec, chunks)
+        if not store and np.unique(plan.blocks).size != plan.num_blocks:
+            raise OffloadError("a destination block or chunk is named twice in one transfer")
         nbytes = plan.num_blocks * self.buffers.bytes_per_block
         job = _Job(job_id=job_id, nbytes=nbytes, start_wall=time.perf_counter())
         try:

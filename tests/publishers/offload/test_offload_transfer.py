@@ -127,7 +127,9 @@ def test_bad_specs_raise_before_copying_and_driver_rolls_back() -> None:
         worker.submit_store(0, [1, 2], CPULoadStoreSpec([5]))
     with pytest.raises(OffloadError, match="named twice"):
         worker.submit_store(0, [1, 2, 3, 4], CPULoadStoreSpec([1, 1]))
-    assert worker.num_pending == 0 and worker.stats.stores == 0
+    with pytest.raises(OffloadError, match="named twice"):
+        worker.submit_load(0, CPULoadStoreSpec([0]), [3, 3])
+    assert worker.num_pending == 0 and worker.stats.stores == worker.stats.loads == 0
 
     manager = CPUOffloadingManager(2)
     driver = OffloadTransferDriver(manager, worker)
@@ -136,6 +138,46 @@ def test_bad_specs_raise_before_copying_and_driver_rolls_back() -> None:
         driver.store([key], {key: [0, 50]})
     assert manager.lookup(key) == LookupResult.MISS  # the failed store was released
     assert manager.num_free_chunks == 2
+
+
+@pytest.mark.parametrize(
+    ("src", "chunk_ids", "dst"),
+    [
+        # consecutive chunks, scattered blocks: store gathers into host runs, load scatters
+        ([9, 2, 14, 5, 0, 11], [0, 1, 2], [13, 3, 8, 1, 15, 6]),
+        # consecutive blocks, scattered chunks: store scatters, load gathers into one run
+        ([4, 5, 6, 7, 8, 9], [5, 0, 3], [10, 11, 12, 13, 14, 15]),
+        # both consecutive: one run either way
+        ([0, 1, 2, 3, 4, 5], [1, 2, 3], [10, 11, 12, 13, 14, 15]),
+    ],
+)
+def test_both_copy_strategies_are_exact(
+    src: list[int], chunk_ids: list[int], dst: list[int]
+) -> None:
+    layers = [torch.randn(16, 3, 64).to(torch.bfloat16), torch.randn(16, 5, 7).to(torch.float16)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=6, blocks_per_chunk=2)
+    worker.submit_store(0, src, CPULoadStoreSpec(chunk_ids))
+    worker.submit_load(1, CPULoadStoreSpec(chunk_ids), dst)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    for dev, orig in zip(layers, originals):
+        assert same_bytes(dev[dst], orig[src])
+    assert worker.buffers.device_words[0].dtype == torch.int64  # 384-byte pages
+    assert worker.buffers.device_words[1].dtype == torch.int16  # 70-byte pages
+
+
+def test_small_pages_scattered_load_uses_one_scatter_and_stays_exact() -> None:
+    # 64-byte pages, scattered destinations: the load takes the index_copy_ path.
+    layers = [torch.randn(64, 16) for _ in range(2)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=2)
+    src = [9, 3, 40, 41, 7, 60, 2, 33]
+    worker.submit_store(0, src, CPULoadStoreSpec([5, 1, 6, 0]))
+    dst = [50, 10, 22, 13, 1, 62, 30, 17]
+    worker.submit_load(1, CPULoadStoreSpec([5, 1, 6, 0]), dst)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    for dev, orig in zip(layers, originals):
+        assert same_bytes(dev[dst], orig[src])
 
 
 def test_partial_first_chunk_skip() -> None:
