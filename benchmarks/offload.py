@@ -132,24 +132,30 @@ def bench_transfer(quick: bool) -> list[dict[str, object]]:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(fn: Callable[[], None], reps: int) -> float:
+    def timed(fn: Callable[[], None], base: Callable[[], None], reps: int) -> tuple[float, float]:
+        """Best GB/s of ``fn`` and of ``base``, timed alternately so drift hits both."""
+        best = [float("inf"), float("inf")]
         fn()  # warm-up
+        base()
         sync()
-        best = float("inf")
         for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
+            for i, f in enumerate((fn, base)):
+                t0 = time.perf_counter()
+                f()
+                sync()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        return nbytes / best[0] / 1e9, nbytes / best[1] / 1e9
 
     job = [0]
 
-    def store() -> None:
-        worker.submit_store(job[0], src, chunks)
-        job[0] += 1
-        worker.wait()
-        worker.get_finished()
+    def store_into(spec: CPULoadStoreSpec) -> Callable[[], None]:
+        def run() -> None:
+            worker.submit_store(job[0], src, spec)
+            job[0] += 1
+            worker.wait()
+            worker.get_finished()
+
+        return run
 
     def load() -> None:
         worker.submit_load(job[0], chunks, src)
@@ -168,14 +174,20 @@ def bench_transfer(quick: bool) -> list[dict[str, object]]:
         dev_flat.copy_(host_flat, non_blocking=pinned)
 
     reps = 5 if quick else 20
-    base_store = timed(copy_d2h, reps)
-    store_gbs = timed(store, reps)
-    base_load = timed(copy_h2d, reps)
-    load_gbs = timed(load, reps)
-    label = f"{device} {layers}L x {moved} blocks x 64KiB, bpc {bpc}"
+    consecutive = CPULoadStoreSpec(np.arange(num_chunks))
+    store_gbs, base_store = timed(store_into(chunks), copy_d2h, reps)
+    store_seq_gbs, base_store_seq = timed(store_into(consecutive), copy_d2h, reps)
+    load_gbs, base_load = timed(load, copy_h2d, reps)
+    label = f"{device}, {layers} layers x {moved} blocks x 64 KiB, bpc {bpc}"
     return [
-        result(f"transfer store ({label})", store_gbs, "GB/s", base_store),
-        result(f"transfer load ({label})", load_gbs, "GB/s", base_load),
+        result(f"transfer store, scattered chunks ({label})", store_gbs, "GB/s", base_store),
+        result(
+            f"transfer store, consecutive chunks ({label})",
+            store_seq_gbs,
+            "GB/s",
+            base_store_seq,
+        ),
+        result(f"transfer load, scattered chunks ({label})", load_gbs, "GB/s", base_load),
     ]
 
 

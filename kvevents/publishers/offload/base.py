@@ -139,6 +139,8 @@ class LoadStoreSpec:
 
 
 def _as_int32(ids: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
+        return ids  # already validated by whoever built it (e.g. the manager)
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if arr.size and (arr.min() < 0 or arr.max() >= 1 << 31):
         raise OffloadError("block/chunk ids must be non-negative int32 values")

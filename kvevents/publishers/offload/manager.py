@@ -25,6 +25,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvevents.errors import OffloadError
 from kvevents.events import MEDIUM_CPU
 from kvevents.publishers.offload.base import (
@@ -230,7 +232,7 @@ class CPUOffloadingManager(OffloadingManager):
         if c is not self._anonymous:
             state.reused.update(keys)
         self.stats.loads_prepared += len(keys)
-        return CPULoadStoreSpec([chunk.chunk_id for chunk in chunks])
+        return CPULoadStoreSpec(np.array([c.chunk_id for c in chunks], dtype=np.int32))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
         """Mark ``keys`` recently used (``keys[0]`` most recent); emits nothing."""
@@ -326,7 +328,8 @@ class CPUOffloadingManager(OffloadingManager):
         if c is not self._anonymous:
             state.inserted.update(candidates)
         self.stats.stores_prepared += len(candidates)
-        return PrepareStoreOutput(candidates, CPULoadStoreSpec(chunk_ids), evicted_keys)
+        spec = CPULoadStoreSpec(np.array(chunk_ids, dtype=np.int32))  # ids < num_chunks
+        return PrepareStoreOutput(candidates, spec, evicted_keys)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True
