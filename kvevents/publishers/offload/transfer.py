@@ -200,7 +200,8 @@ class CPUTransferWorker:
     CUDA tensors: the copy is queued on a side stream; :meth:`get_finished` reports
     jobs in submission order once their copies are done, and :meth:`wait` blocks.
     A load's data is visible to the compute stream after :meth:`wait` (or once reported
-    finished).
+    finished).  The device blocks of a store must not be overwritten before the job is
+    reported finished (the copy may still be reading them).
     """
 
     def __init__(
