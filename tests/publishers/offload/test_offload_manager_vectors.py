@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvevents.errors import OffloadError
@@ -15,6 +17,8 @@ from kvevents.publishers.offload import (
     OffloadKey,
     ReqContext,
     get_cache_policy,
+    get_offload_block_hash,
+    get_offload_group_idx,
     known_cache_policies,
     make_offload_key,
     register_cache_policy,
@@ -298,3 +302,35 @@ def test_misuse_raises_and_changes_nothing(policy: str) -> None:
     with pytest.raises(OffloadError, match="not pinned 2"):
         m.complete_load(Ks(1, 1))
     assert status.ref_cnt == 1
+
+
+def test_offload_key_layout_and_accessors() -> None:
+    key = make_offload_key(b"\x01\x02\x03", 7)
+    assert key == b"\x01\x02\x03\x00\x00\x00\x07"
+    assert get_offload_block_hash(key) == b"\x01\x02\x03"
+    assert get_offload_group_idx(key) == 7
+    assert get_offload_group_idx(make_offload_key(b"h", 2**32 - 1)) == 2**32 - 1
+    with pytest.raises(OffloadError, match="4 unsigned bytes"):
+        make_offload_key(b"h", 2**32)
+    with pytest.raises(OffloadError, match="too short"):
+        get_offload_group_idx(b"\x00\x00\x00\x01")
+
+
+def test_offloading_event_shape_has_no_block_size() -> None:
+    # C§9.11: (keys, medium, removed, locality, ownership, removal_expected, metadata_only)
+    assert [f.name for f in dataclasses.fields(OffloadingEvent)] == [
+        "keys",
+        "medium",
+        "removed",
+        "locality",
+        "ownership",
+        "removal_expected",
+        "metadata_only",
+    ]
+    ev = OffloadingEvent([K(1)], "CPU", removed=False)
+    assert (ev.locality, ev.ownership, ev.removal_expected, ev.metadata_only) == (
+        None,
+        None,
+        False,
+        False,
+    )
