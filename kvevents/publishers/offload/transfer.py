@@ -172,6 +172,26 @@ def _runs(
     return runs, torch.from_numpy(np.ascontiguousarray(src[order]))
 
 
+def _run_views(table: torch.Tensor, runs: Runs) -> list[torch.Tensor]:
+    """Views of ``table``'s rows for each run (runs sorted by first row, disjoint).
+
+    One ``split`` call builds every view, cheaper than slicing run by run.
+    """
+    sizes: list[int] = []
+    picks: list[int] = []
+    pos = 0
+    for first, _, length in runs:
+        if first > pos:
+            sizes.append(first - pos)
+        picks.append(len(sizes))
+        sizes.append(length)
+        pos = first + length
+    if pos < table.shape[0]:
+        sizes.append(table.shape[0] - pos)
+    parts = table.split(sizes)
+    return [parts[i] for i in picks]
+
+
 @dataclass
 class _Plan:
     blocks: npt.NDArray[np.int64]  # device block ids, transfer order
@@ -280,19 +300,18 @@ class CPUTransferWorker:
         else:
             gather_runs, gather_idx = _runs(dst_pos, src_pos)
         scatter_runs, scatter_idx = _runs(src_pos, dst_pos, unique=False)
-        gather = len(gather_runs) <= len(scatter_runs)
+        # Scatter only from distinct source rows (run views must not overlap).
+        gather = len(gather_runs) <= len(scatter_runs) or np.unique(src_pos).size != src_pos.size
+        runs, idx = (gather_runs, gather_idx) if gather else (scatter_runs, scatter_idx)
+        idx_parts = idx.split([length for _, _, length in runs])  # views, built in C++
         for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
             src, dst = (dev, host) if store else (host, dev)
             if gather:
-                for first, start, length in gather_runs:
-                    torch.index_select(
-                        src, 0, gather_idx[start : start + length], out=dst[first : first + length]
-                    )
+                for part, out in zip(idx_parts, _run_views(dst, runs)):
+                    torch.index_select(src, 0, part, out=out)
             else:
-                for first, start, length in scatter_runs:
-                    dst.index_copy_(
-                        0, scatter_idx[start : start + length], src[first : first + length]
-                    )
+                for part, rows in zip(idx_parts, _run_views(src, runs)):
+                    dst.index_copy_(0, part, rows)
 
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")

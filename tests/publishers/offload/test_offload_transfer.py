@@ -166,6 +166,18 @@ def test_both_copy_strategies_are_exact(
     assert worker.buffers.device_words[1].dtype == torch.int16  # 70-byte pages
 
 
+def test_same_device_block_stored_into_two_chunks() -> None:
+    # Repeated source blocks (4 and 5 twice) into scattered chunks.
+    layers = [torch.randn(8, 32)]
+    worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=1)
+    worker.submit_store(0, [4, 5, 4, 5], CPULoadStoreSpec([0, 2, 4, 6]))
+    rows = layers[0].view(torch.int8)
+    host = worker.buffers.host_rows[0]
+    for chunk, block in zip([0, 2, 4, 6], [4, 5, 4, 5]):
+        assert torch.equal(host[chunk], rows[block])
+    assert not host[[1, 3, 5, 7]].any()
+
+
 def test_small_pages_scattered_load_uses_one_scatter_and_stays_exact() -> None:
     # 64-byte pages, scattered destinations: the load takes the index_copy_ path.
     layers = [torch.randn(64, 16) for _ in range(2)]
