@@ -227,6 +227,8 @@ class _Layout:
     slot_chunk: dict[int, int]
     """Chunk size in tokens, per slot (absent: unknown)."""
     worker_slots: dict[WorkerId, tuple[int, ...]]
+    worker_align: dict[WorkerId, int]
+    """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
 
 
 def _bpc_lookup(
@@ -886,6 +888,9 @@ class BlockIndex:
             slot_block=slot_block,
             slot_chunk=slot_chunk,
             worker_slots={k: tuple(v) for k, v in worker_slots.items()},
+            worker_align={
+                k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
+            },
         )
         return self._layout
 

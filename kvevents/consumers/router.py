@@ -101,7 +101,9 @@ class Router:
             wid = lay.slot_worker[slot]
             if wid in gpu_of:
                 continue
-            gpu_of[wid] = min(gpu_ends.get(s, 0) for s in lay.worker_slots[wid]) * unit
+            low = min(gpu_ends.get(s, 0) for s in lay.worker_slots[wid]) * unit
+            align = lay.worker_align[wid]
+            gpu_of[wid] = low // align * align
         result: dict[WorkerId, list[int]] = {
             wid: [g, 0, 0] for wid, g in gpu_of.items() if g > 0
         }
@@ -160,7 +162,11 @@ class Router:
                     best = None
                     break
                 best = e * unit if best is None else min(best, e * unit)
-            if best is not None and best > base:
+            if best is None:
+                continue
+            align = lay.worker_align[wid]
+            best = best // align * align
+            if all(best - base >= lay.slot_chunk[s] for s in lay.worker_slots[wid]):
                 out[wid] = best - base
         return out
 
