@@ -231,9 +231,7 @@ class _Layout:
     """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
 
 
-def _bpc_lookup(
-    config: int | Mapping[Any, int] | None, wid: WorkerId
-) -> int:
+def _bpc_lookup(config: int | Mapping[Any, int] | None, wid: WorkerId) -> int:
     if config is None:
         return 0
     if isinstance(config, int):
@@ -720,7 +718,7 @@ class BlockIndex:
         """Drop the least recently stored resident entries of the biggest worker group."""
         batch = max(1, self.max_blocks // 100)
         while self._resident > self.max_blocks - batch + 1 and self._slots:
-            w, gs = max(self._slots.values(), key=lambda s: len(s[1].meta))
+            _, gs = max(self._slots.values(), key=lambda s: len(s[1].meta))
             victims = []
             for h in gs.meta:
                 r = gs.refs

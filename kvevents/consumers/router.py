@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvevents.consumers.content import prompt_keys
-from kvevents.consumers.index import BlockIndex, WorkerId
+from kvevents.consumers.index import BlockIndex, WorkerId, _Layout
 from kvevents.errors import ConfigError
 
 __all__ = ["Candidate", "Match", "Router", "TierWeights"]
@@ -104,14 +104,15 @@ class Router:
             low = min(gpu_ends.get(s, 0) for s in lay.worker_slots[wid]) * unit
             align = lay.worker_align[wid]
             gpu_of[wid] = low // align * align
-        result: dict[WorkerId, list[int]] = {
-            wid: [g, 0, 0] for wid, g in gpu_of.items() if g > 0
-        }
+        result: dict[WorkerId, list[int]] = {wid: [g, 0, 0] for wid, g in gpu_of.items() if g > 0}
         if lay.chunk_classes:
             cpu_of = self._chunk_tier(keys, 1, lay, gpu_of)
             for wid, c in cpu_of.items():
                 result.setdefault(wid, [gpu_of.get(wid, 0), 0, 0])[1] = c
-            base = {wid: gpu_of.get(wid, 0) + cpu_of.get(wid, 0) for wid in gpu_of.keys() | cpu_of.keys()}
+            base = {
+                wid: gpu_of.get(wid, 0) + cpu_of.get(wid, 0)
+                for wid in gpu_of.keys() | cpu_of.keys()
+            }
             sto_of = self._chunk_tier(keys, 2, lay, base)
             for wid, s in sto_of.items():
                 result.setdefault(wid, [gpu_of.get(wid, 0), cpu_of.get(wid, 0), 0])[2] = s
@@ -121,13 +122,10 @@ class Router:
         self,
         keys: list[int],
         tier: int,
-        lay: object,
+        lay: _Layout,
         base_of: Mapping[WorkerId, int],
     ) -> dict[WorkerId, int]:
         """Tokens a chunk tier adds after ``base_of[worker]`` (0 where none)."""
-        from kvevents.consumers.index import _Layout
-
-        assert isinstance(lay, _Layout)
         unit = lay.canonical
         marks = self.index.marks(tier)
         if not marks:

@@ -167,7 +167,9 @@ def test_hybrid_full_attention_groups_with_different_block_sizes_take_the_minimu
     router = Router(index)
     feed(index, gpu_store(raw, TOKENS, 16, stop=3, group=0),
          gpu_store(g1, TOKENS, 32, group=1))  # fmt: skip
-    assert router.find_matches(TOKENS) == {W: Match(32, 0, 0)}  # min(48, 64), in whole blocks of both groups
+    assert router.find_matches(TOKENS) == {
+        W: Match(32, 0, 0)
+    }  # min(48, 64), in whole blocks of both groups
     # CPU chunks in both groups (bpc = 1): 48..64 in group 0, 32..64 in group 1
     feed(index, placeholder(raw[3], group=0))  # pending: group 0 never stored raw[3]
     assert index.pending_count == 1
