@@ -78,9 +78,21 @@ TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
 _TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
 
-# Fields of a metadata record (a tuple, for memory).
+# A metadata record is a tuple, for memory: (content key or None, end position in blocks
+# of its own size or None, parent hash, block size), extended with (LoRA name, extra keys,
+# token ids) only when one of those is set.  Storing the end in blocks keeps it a small
+# (shared) int for sequences up to 256 blocks.
 _CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS = range(7)
 _Meta = tuple[Any, ...]
+
+
+def _end_tokens(m: _Meta) -> int | None:
+    end: int | None = m[_END]
+    return None if end is None else end * m[_SIZE]
+
+
+def _field(m: _Meta, i: int) -> Any:
+    return m[i] if len(m) > i else None
 
 
 @dataclass
@@ -474,7 +486,7 @@ class BlockIndex:
             if pm is None:
                 pk = pend = None
             else:
-                pk, pend = pm[_CK], pm[_END]
+                pk, pend = pm[_CK], _end_tokens(pm)
         t = tuple(toks) if index_keys or self.keep_token_ids else ()
         pending = self._pending
         for i in range(n):
@@ -494,15 +506,20 @@ class BlockIndex:
                     ck = None
                     if index_keys:
                         stats.skipped["unknown_parent"] += 1
-                m = (
-                    ck,
-                    end,
-                    parent,
-                    size,
-                    lora,
-                    extras[i] if extras is not None and i < len(extras) else None,
-                    t[base : base + size] if self.keep_token_ids else None,
-                )
+                extra = extras[i] if extras is not None and i < len(extras) else None
+                end_blocks = end // size if end is not None else None
+                if lora is None and extra is None and not self.keep_token_ids:
+                    m = (ck, end_blocks, parent, size)
+                else:
+                    m = (
+                        ck,
+                        end_blocks,
+                        parent,
+                        size,
+                        lora,
+                        extra,
+                        t[base : base + size] if self.keep_token_ids else None,
+                    )
                 if h in meta:  # an orphan healed: re-key its residencies
                     self._rekey(gs, h, meta[h], m)
                 meta[h] = m
@@ -514,7 +531,7 @@ class BlockIndex:
                 # LRU touch: move to the end of the group's insertion order
                 del meta[h]
                 meta[h] = m
-            pk, pend = m[_CK], m[_END]
+            pk, pend = m[_CK], _end_tokens(m)
             parent = h
             self._ref(w, gs, tier, h, m)
         if tier == 0 and not index_keys and not gs.indexable_kind:
@@ -746,7 +763,7 @@ class BlockIndex:
     def _observe_tail(self, w: _Worker, gs: _Group, m: _Meta) -> None:
         if w.bpc_fixed:
             return
-        end = m[_END]
+        end = _end_tokens(m)
         size = gs.block_size or m[_SIZE]
         if end is None or size <= 0 or end % size:
             return
@@ -784,7 +801,7 @@ class BlockIndex:
                 cur = nxt
             size = gs.block_size or m[_SIZE]
             span = w.bpc * size
-            end = m[_END]
+            end = _end_tokens(m)
             chunk = ChunkSpan(
                 hashes=tuple(reversed(hashes)),
                 start=end - span if end is not None else None,
@@ -792,19 +809,19 @@ class BlockIndex:
                 blocks_per_chunk=w.bpc,
                 tokens=span,
             )
-        end = m[_END]
+        end = _end_tokens(m)
         return BlockInfo(
             group=group,
             block_size=m[_SIZE],
             start=end - m[_SIZE] if end is not None else None,
             end=end,
             parent=m[_PARENT],
-            lora_name=m[_LORA],
-            extra_keys=m[_EXTRA],
+            lora_name=_field(m, _LORA),
+            extra_keys=_field(m, _EXTRA),
             kind=gs.kind,
             tiers=tiers,
             indexed=m[_CK] is not None and self._slot_indexable(w, gs),
-            token_ids=m[_TOKENS],
+            token_ids=_field(m, _TOKENS),
             chunk=chunk,
         )
 
