@@ -78,21 +78,80 @@ TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
 _TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
 
-# A metadata record is a tuple, for memory: (content key or None, end position in blocks
-# of its own size or None, parent hash, block size), extended with (LoRA name, extra keys,
-# token ids) only when one of those is set.  Storing the end in blocks keeps it a small
-# (shared) int for sequences up to 256 blocks.
+# A metadata record is, for memory, usually one packed int (about 52 bytes):
+#   bits 0-63 content key + 2**63, bit 64 "has a content key",
+#   bits 65-84 end position in blocks + 1 (0: unknown), bits 85-104 block size,
+#   bits 105-169 parent hash + 1 (0: none).
+# Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
+# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens).
 _CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS = range(7)
-_Meta = tuple[Any, ...]
+_Meta = Union[int, tuple[Any, ...]]
+_M64 = (1 << 64) - 1
+_M20 = (1 << 20) - 1
+_HAS_CK = 1 << 64
+_OFF = 1 << 63
+
+
+def _pack(
+    ck: int | None,
+    end_blocks: int | None,
+    parent: Hash | None,
+    size: int,
+    lora: str | None = None,
+    extra: Any = None,
+    tokens: tuple[int, ...] | None = None,
+) -> _Meta:
+    if (
+        lora is None
+        and extra is None
+        and tokens is None
+        and (parent is None or (type(parent) is int and 0 <= parent <= _M64))
+        and (end_blocks is None or end_blocks < _M20)
+        and 0 < size <= _M20
+    ):
+        v = size << 85
+        if ck is not None:
+            v |= (ck + _OFF) | _HAS_CK
+        if end_blocks is not None:
+            v |= (end_blocks + 1) << 65
+        if parent is not None:
+            v |= (parent + 1) << 105
+        return v
+    return (ck, end_blocks, parent, size, lora, extra, tokens)
+
+
+def _ck(m: _Meta) -> int | None:
+    if isinstance(m, int):
+        return (m & _M64) - _OFF if m & _HAS_CK else None
+    ck: int | None = m[_CK]
+    return ck
+
+
+def _size(m: _Meta) -> int:
+    if isinstance(m, int):
+        return (m >> 85) & _M20
+    size: int = m[_SIZE]
+    return size
 
 
 def _end_tokens(m: _Meta) -> int | None:
+    if isinstance(m, int):
+        e = (m >> 65) & _M20
+        return (e - 1) * ((m >> 85) & _M20) if e else None
     end: int | None = m[_END]
-    return None if end is None else end * m[_SIZE]
+    return None if end is None else end * int(m[_SIZE])
+
+
+def _parent(m: _Meta) -> Hash | None:
+    if isinstance(m, int):
+        p = m >> 105
+        return p - 1 if p else None
+    parent: Hash | None = m[_PARENT]
+    return parent
 
 
 def _field(m: _Meta, i: int) -> Any:
-    return m[i] if len(m) > i else None
+    return None if isinstance(m, int) else m[i]
 
 
 @dataclass
@@ -421,8 +480,9 @@ class BlockIndex:
                 marks = self._marks[tier]
                 for h in refs:
                     m = gs.meta.get(h)
-                    if m is not None and m[_CK] is not None:
-                        _unmark(marks, m[_CK], bit)
+                    ck = _ck(m) if m is not None else None
+                    if ck is not None:
+                        _unmark(marks, ck, bit)
                 held.update(refs)
                 refs.clear()
             self._resident -= len(held)
@@ -486,13 +546,13 @@ class BlockIndex:
             if pm is None:
                 pk = pend = None
             else:
-                pk, pend = pm[_CK], _end_tokens(pm)
+                pk, pend = _ck(pm), _end_tokens(pm)
         t = tuple(toks) if index_keys or self.keep_token_ids else ()
         pending = self._pending
         for i in range(n):
             h = hashes[i]
             m = meta.get(h)
-            if m is None or (m[_CK] is None and pk is not None and index_keys):
+            if m is None or (_ck(m) is None and pk is not None and index_keys):
                 end = pend + size if pend is not None else None
                 base = off + i * size
                 if index_keys and pk is not None:
@@ -506,20 +566,15 @@ class BlockIndex:
                     ck = None
                     if index_keys:
                         stats.skipped["unknown_parent"] += 1
-                extra = extras[i] if extras is not None and i < len(extras) else None
-                end_blocks = end // size if end is not None else None
-                if lora is None and extra is None and not self.keep_token_ids:
-                    m = (ck, end_blocks, parent, size)
-                else:
-                    m = (
-                        ck,
-                        end_blocks,
-                        parent,
-                        size,
-                        lora,
-                        extra,
-                        t[base : base + size] if self.keep_token_ids else None,
-                    )
+                m = _pack(
+                    ck,
+                    end // size if end is not None else None,
+                    parent,
+                    size,
+                    lora,
+                    extras[i] if extras is not None and i < len(extras) else None,
+                    t[base : base + size] if self.keep_token_ids else None,
+                )
                 if h in meta:  # an orphan healed: re-key its residencies
                     self._rekey(gs, h, meta[h], m)
                 meta[h] = m
@@ -531,7 +586,7 @@ class BlockIndex:
                 # LRU touch: move to the end of the group's insertion order
                 del meta[h]
                 meta[h] = m
-            pk, pend = m[_CK], _end_tokens(m)
+            pk, pend = _ck(m), _end_tokens(m)
             parent = h
             self._ref(w, gs, tier, h, m)
         if tier == 0 and not index_keys and not gs.indexable_kind:
@@ -658,7 +713,7 @@ class BlockIndex:
         refs[h] = c + 1
         if c:
             return
-        ck = m[_CK]
+        ck = _ck(m)
         if ck is not None:
             marks = self._marks[tier]
             marks[ck] = marks.get(ck, 0) | gs.bit
@@ -701,8 +756,9 @@ class BlockIndex:
             return
         del refs[h]
         m = gs.meta.get(h)
-        if m is not None and m[_CK] is not None:
-            _unmark(self._marks[tier], m[_CK], gs.bit)
+        ck = _ck(m) if m is not None else None
+        if ck is not None:
+            _unmark(self._marks[tier], ck, gs.bit)
         r = gs.refs
         if not (h in r[0] or h in r[1] or h in r[2]):
             self._resident -= 1
@@ -723,13 +779,14 @@ class BlockIndex:
                 self.stats.metadata_evicted += 1
 
     def _rekey(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
+        old_ck, new_ck = _ck(old), _ck(new)
         for tier in range(3):
             if h in gs.refs[tier]:
-                if old[_CK] is not None:
-                    _unmark(self._marks[tier], old[_CK], gs.bit)
-                if new[_CK] is not None:
-                    marks = self._marks[tier]
-                    marks[new[_CK]] = marks.get(new[_CK], 0) | gs.bit
+                marks = self._marks[tier]
+                if old_ck is not None:
+                    _unmark(marks, old_ck, gs.bit)
+                if new_ck is not None:
+                    marks[new_ck] = marks.get(new_ck, 0) | gs.bit
 
     def _evict(self) -> None:
         """Drop the least recently stored resident entries of the biggest worker group."""
@@ -746,10 +803,10 @@ class BlockIndex:
             if not victims:
                 return
             for h in victims:
-                m = gs.meta.pop(h)
+                ck = _ck(gs.meta.pop(h))
                 for tier in range(3):
-                    if gs.refs[tier].pop(h, None) is not None and m[_CK] is not None:
-                        _unmark(self._marks[tier], m[_CK], gs.bit)
+                    if gs.refs[tier].pop(h, None) is not None and ck is not None:
+                        _unmark(self._marks[tier], ck, gs.bit)
                 self._resident -= 1
                 self.stats.evicted_by_cap += 1
 
@@ -764,7 +821,7 @@ class BlockIndex:
         if w.bpc_fixed:
             return
         end = _end_tokens(m)
-        size = gs.block_size or m[_SIZE]
+        size = gs.block_size or _size(m)
         if end is None or size <= 0 or end % size:
             return
         bpc = math.gcd(w.bpc, end // size)
@@ -793,13 +850,16 @@ class BlockIndex:
         if w.bpc and (block_hash in gs.refs[1] or block_hash in gs.refs[2]):
             hashes: list[Hash] = [block_hash]
             cur = m
-            while len(hashes) < w.bpc and cur[_PARENT] is not None:
-                hashes.append(cur[_PARENT])
-                nxt = gs.meta.get(cur[_PARENT])
+            while len(hashes) < w.bpc:
+                up = _parent(cur)
+                if up is None:
+                    break
+                hashes.append(up)
+                nxt = gs.meta.get(up)
                 if nxt is None:
                     break
                 cur = nxt
-            size = gs.block_size or m[_SIZE]
+            size = gs.block_size or _size(m)
             span = w.bpc * size
             end = _end_tokens(m)
             chunk = ChunkSpan(
@@ -812,15 +872,15 @@ class BlockIndex:
         end = _end_tokens(m)
         return BlockInfo(
             group=group,
-            block_size=m[_SIZE],
-            start=end - m[_SIZE] if end is not None else None,
+            block_size=_size(m),
+            start=end - _size(m) if end is not None else None,
             end=end,
-            parent=m[_PARENT],
+            parent=_parent(m),
             lora_name=_field(m, _LORA),
             extra_keys=_field(m, _EXTRA),
             kind=gs.kind,
             tiers=tiers,
-            indexed=m[_CK] is not None and self._slot_indexable(w, gs),
+            indexed=_ck(m) is not None and self._slot_indexable(w, gs),
             token_ids=_field(m, _TOKENS),
             chunk=chunk,
         )
@@ -837,7 +897,7 @@ class BlockIndex:
                 for tier in range(3):
                     for h in gs.refs[tier]:
                         m = gs.meta.get(h)
-                        size = m[_SIZE] if m is not None else 0
+                        size = _size(m) if m is not None else 0
                         counts[tier][0] += 1
                         counts[tier][1] += size if tier == 0 else size * (w.bpc or 1)
             out[wid] = WorkerSummary(

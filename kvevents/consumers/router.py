@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvevents.consumers.content import prompt_keys
 from kvevents.consumers.index import BlockIndex, WorkerId, _Layout
@@ -28,8 +29,7 @@ from kvevents.errors import ConfigError
 __all__ = ["Candidate", "Match", "Router", "TierWeights"]
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """Prompt tokens a worker can reuse, per tier (``gpu`` first, then ``cpu``, ``storage``)."""
 
     gpu: int = 0
@@ -96,27 +96,27 @@ class Router:
         keys = prompt_keys(tokens, unit, lora_name)
         # GPU: every prefix-indexable slot starts at its first block boundary.
         gpu_ends = _walk(keys, index.marks(0), lay.gpu_classes, lay.gpu_mask, {})
-        gpu_of: dict[WorkerId, int] = {}
-        for slot in gpu_ends:
-            wid = lay.slot_worker[slot]
-            if wid in gpu_of:
-                continue
-            low = min(gpu_ends.get(s, 0) for s in lay.worker_slots[wid]) * unit
-            align = lay.worker_align[wid]
-            gpu_of[wid] = low // align * align
-        result: dict[WorkerId, list[int]] = {wid: [g, 0, 0] for wid, g in gpu_of.items() if g > 0}
-        if lay.chunk_classes:
-            cpu_of = self._chunk_tier(keys, 1, lay, gpu_of)
+        gpu_of = _per_worker_gpu(gpu_ends, lay)
+        if not lay.chunk_classes:
+            return {wid: Match(g) for wid, g in gpu_of.items() if g}
+        cpu_of = self._chunk_tier(keys, 1, lay, gpu_of)
+        if cpu_of:
+            base = dict(gpu_of)
             for wid, c in cpu_of.items():
-                result.setdefault(wid, [gpu_of.get(wid, 0), 0, 0])[1] = c
-            base = {
-                wid: gpu_of.get(wid, 0) + cpu_of.get(wid, 0)
-                for wid in gpu_of.keys() | cpu_of.keys()
-            }
-            sto_of = self._chunk_tier(keys, 2, lay, base)
-            for wid, s in sto_of.items():
-                result.setdefault(wid, [gpu_of.get(wid, 0), cpu_of.get(wid, 0), 0])[2] = s
-        return {wid: Match(*v) for wid, v in result.items()}
+                base[wid] = base.get(wid, 0) + c
+        else:
+            base = gpu_of
+        sto_of = self._chunk_tier(keys, 2, lay, base)
+        out = {
+            wid: Match(g, cpu_of.get(wid, 0), sto_of.get(wid, 0)) for wid, g in gpu_of.items() if g
+        }
+        for wid, c in cpu_of.items():
+            if wid not in out:
+                out[wid] = Match(gpu_of.get(wid, 0), c, sto_of.get(wid, 0))
+        for wid, st in sto_of.items():
+            if wid not in out:
+                out[wid] = Match(gpu_of.get(wid, 0), cpu_of.get(wid, 0), st)
+        return out
 
     def _chunk_tier(
         self,
@@ -131,32 +131,40 @@ class Router:
         if not marks:
             return {}
         alive = lay.chunk_mask
+        late = 0
         starts: dict[int, int] = {}
+        slot_chunk = lay.slot_chunk
+        worker_slots = lay.worker_slots
         for wid, base in base_of.items():
             if base <= 0:
                 continue
-            for slot in lay.worker_slots[wid]:
-                size = lay.slot_chunk.get(slot)
+            for slot in worker_slots[wid]:
+                size = slot_chunk.get(slot)
                 if size is None:
                     continue
                 bit = 1 << slot
-                alive &= ~bit
+                late |= bit
                 first = (base // size + 1) * (size // unit)
                 starts[first] = starts.get(first, 0) | bit
-        ends = _walk(keys, marks, lay.chunk_classes, alive, starts)
+        ends = _walk(keys, marks, lay.chunk_classes, alive & ~late, starts)
         out: dict[WorkerId, int] = {}
-        seen: set[WorkerId] = set()
-        for slot in ends:
-            wid = lay.slot_worker[slot]
-            if wid in seen:
+        multi: set[WorkerId] = set()
+        slot_worker = lay.slot_worker
+        for slot, e in ends.items():
+            wid = slot_worker[slot]
+            if len(worker_slots[wid]) > 1:
+                multi.add(wid)
                 continue
-            seen.add(wid)
+            base = base_of.get(wid, 0)
+            add = e * unit - base
+            if add >= slot_chunk[slot]:
+                out[wid] = add
+        for wid in multi:
             base = base_of.get(wid, 0)
             best: int | None = None
-            for s in lay.worker_slots[wid]:
-                size = lay.slot_chunk.get(s)
+            for s in worker_slots[wid]:
                 e = ends.get(s)
-                if size is None or e is None or e * unit - base < size:
+                if s not in slot_chunk or e is None:
                     best = None
                     break
                 best = e * unit if best is None else min(best, e * unit)
@@ -164,7 +172,7 @@ class Router:
                 continue
             align = lay.worker_align[wid]
             best = best // align * align
-            if all(best - base >= lay.slot_chunk[s] for s in lay.worker_slots[wid]):
+            if all(best - base >= slot_chunk[s] for s in worker_slots[wid]):
                 out[wid] = best - base
         return out
 
@@ -211,6 +219,26 @@ class Router:
         return ranked[0].worker
 
 
+def _per_worker_gpu(gpu_ends: dict[int, int], lay: _Layout) -> dict[WorkerId, int]:
+    """Worker GPU hits from slot ends: the minimum over its slots, in whole blocks of each."""
+    unit = lay.canonical
+    out: dict[WorkerId, int] = {}
+    multi: set[WorkerId] = set()
+    slot_worker = lay.slot_worker
+    worker_slots = lay.worker_slots
+    for slot, e in gpu_ends.items():
+        wid = slot_worker[slot]
+        if len(worker_slots[wid]) > 1:
+            multi.add(wid)
+        else:
+            out[wid] = e * unit
+    for wid in multi:
+        low = min(gpu_ends.get(s, 0) for s in worker_slots[wid]) * unit
+        align = lay.worker_align[wid]
+        out[wid] = low // align * align
+    return out
+
+
 def _walk(
     keys: list[int],
     marks: Mapping[int, int],
@@ -240,8 +268,11 @@ def _walk(
             if dead:
                 d = dead & hits
                 if d:
-                    for s in _bits(d):
-                        ends[s] = j - u
+                    if d & (d - 1):
+                        for s in _bits(d):
+                            ends[s] = j - u
+                    else:
+                        ends[d.bit_length() - 1] = j - u
                 alive ^= dead
             hits |= alive
             j += u
@@ -279,8 +310,11 @@ def _walk(
                 for u, m in zip(steps, masks):
                     dm = d & m
                     if dm:
-                        for s in _bits(dm):
-                            ends[s] = j - u
+                        if dm & (dm - 1):
+                            for s in _bits(dm):
+                                ends[s] = j - u
+                        else:
+                            ends[dm.bit_length() - 1] = j - u
             alive ^= dead
         hits |= chk & held
     rest = alive & hits
@@ -296,6 +330,13 @@ def _walk(
 
 def _bits(x: int) -> list[int]:
     """Positions of the set bits of ``x``, lowest first."""
+    if x.bit_count() <= 16:
+        out = []
+        while x:
+            low = x & -x
+            out.append(low.bit_length() - 1)
+            x ^= low
+        return out
     s = bin(x)[:1:-1]
     out = []
     i = s.find("1")
