@@ -163,11 +163,11 @@ class Router:
             base = base_of.get(wid, 0)
             best: int | None = None
             for s in worker_slots[wid]:
-                e = ends.get(s)
-                if s not in slot_chunk or e is None:
+                end = ends.get(s)
+                if s not in slot_chunk or end is None:
                     best = None
                     break
-                best = e * unit if best is None else min(best, e * unit)
+                best = end * unit if best is None else min(best, end * unit)
             if best is None:
                 continue
             align = lay.worker_align[wid]
