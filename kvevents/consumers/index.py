@@ -159,7 +159,8 @@ class IndexStats:
     """Counters of a :class:`BlockIndex` (ints, or Counters by reason/tier label)."""
 
     batches: int = 0
-    events: int = 0
+    applied: int = 0
+    """Events applied (every event of every batch, whatever its outcome)."""
     block_events: int = 0
     """Block hashes processed by stores and removals (the throughput unit)."""
     stored: Counter[str] = field(default_factory=Counter)
@@ -390,7 +391,7 @@ class BlockIndex:
 
     def _apply(self, w: _Worker, ev: KVEvent) -> None:
         stats = self.stats
-        stats.events += 1
+        stats.applied += 1
         if type(ev) is BlockStored:
             tier = _TIER_OF.get(ev.medium, -1)
             n = len(ev.block_hashes)
