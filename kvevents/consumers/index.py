@@ -299,6 +299,8 @@ class _Layout:
     slot_chunk: dict[int, int]
     """Chunk size in tokens, per slot (absent: unknown)."""
     worker_slots: dict[WorkerId, tuple[int, ...]]
+    slot_bit: dict[int, int]
+    """``1 << slot``, precomputed."""
     worker_align: dict[WorkerId, int]
     """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
 
@@ -729,25 +731,63 @@ class BlockIndex:
 
     def _remove(self, w: _Worker, group: int, hashes: Iterable[Hash], tier: int) -> None:
         gs = w.groups.get(group)
-        name = TIERS[tier]
+        if gs is None:
+            for h in hashes:
+                self._remove_unknown(w, None, group, h, tier)
+            return
+        refs = gs.refs[tier]
+        r0, r1, r2 = gs.refs
+        marks = self._marks[tier]
+        meta = gs.meta
+        bit = gs.bit
+        retired = self._retired
+        wid = w.wid
+        removed = 0
         for h in hashes:
-            if gs is None or h not in gs.refs[tier]:
-                if tier and self._pending:
-                    p = self._pending.get((w.wid, group, h))
-                    if p is not None and p[tier] > 0:
-                        p[tier] -= 1
-                        self.stats.unjoined["removed_while_pending"] += 1
-                        if not (p[1] or p[2]):
-                            del self._pending[(w.wid, group, h)]
-                        continue
-                if tier and gs is not None and h in gs.meta:
-                    # fan-out of a chunk's non-tail constituents (C§5.8): harmless
-                    self.stats.skipped["removed_non_tail"] += 1
-                    continue
-                self.stats.unknown_removals[name] += 1
+            c = refs.get(h)
+            if c is None:
+                self._remove_unknown(w, gs, group, h, tier)
                 continue
-            self.stats.removed[name] += 1
-            self._deref(w, gs, tier, h)
+            removed += 1
+            if c > 1:
+                refs[h] = c - 1
+                continue
+            del refs[h]
+            m = meta.get(h)
+            if m is not None:
+                ck = _ck(m)
+                if ck is not None:
+                    v = marks.get(ck)
+                    if v is not None:
+                        v &= ~bit
+                        if v:
+                            marks[ck] = v
+                        else:
+                            del marks[ck]
+            if not (h in r0 or h in r1 or h in r2):
+                self._resident -= 1
+                retired[(wid, group, h)] = None
+                if len(retired) > self.gpu_metadata_retention:
+                    self._trim_retired()
+        if removed:
+            self.stats.removed[TIERS[tier]] += removed
+
+    def _remove_unknown(
+        self, w: _Worker, gs: _Group | None, group: int, h: Hash, tier: int
+    ) -> None:
+        if tier and self._pending:
+            p = self._pending.get((w.wid, group, h))
+            if p is not None and p[tier] > 0:
+                p[tier] -= 1
+                self.stats.unjoined["removed_while_pending"] += 1
+                if not (p[1] or p[2]):
+                    del self._pending[(w.wid, group, h)]
+                return
+        if tier and gs is not None and h in gs.meta:
+            # fan-out of a chunk's non-tail constituents (C§5.8): harmless
+            self.stats.skipped["removed_non_tail"] += 1
+            return
+        self.stats.unknown_removals[TIERS[tier]] += 1
 
     def _deref(self, w: _Worker, gs: _Group, tier: int, h: Hash) -> None:
         refs = gs.refs[tier]
@@ -766,8 +806,12 @@ class BlockIndex:
             self._retire(w.wid, gs, h)
 
     def _retire(self, wid: WorkerId, gs: _Group, h: Hash) -> None:
+        self._retired[(wid, gs.group, h)] = None
+        if len(self._retired) > self.gpu_metadata_retention:
+            self._trim_retired()
+
+    def _trim_retired(self) -> None:
         retired = self._retired
-        retired[(wid, gs.group, h)] = None
         while len(retired) > self.gpu_metadata_retention:
             (owid, ogroup, oh), _ = retired.popitem(last=False)
             ow = self._workers.get(owid)
@@ -964,6 +1008,7 @@ class BlockIndex:
             slot_block=slot_block,
             slot_chunk=slot_chunk,
             worker_slots={k: tuple(v) for k, v in worker_slots.items()},
+            slot_bit={s: 1 << s for s in slot_worker},
             worker_align={
                 k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
             },

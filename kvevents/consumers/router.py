@@ -18,6 +18,7 @@ along them, so its cost grows with the matched length, not with workers × lengt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -107,6 +108,8 @@ class Router:
         else:
             base = gpu_of
         sto_of = self._chunk_tier(keys, 2, lay, base)
+        if not cpu_of and not sto_of:
+            return {wid: Match(g) for wid, g in gpu_of.items() if g}
         out = {
             wid: Match(g, cpu_of.get(wid, 0), sto_of.get(wid, 0)) for wid, g in gpu_of.items() if g
         }
@@ -131,21 +134,25 @@ class Router:
         if not marks:
             return {}
         alive = lay.chunk_mask
-        late = 0
-        starts: dict[int, int] = {}
         slot_chunk = lay.slot_chunk
         worker_slots = lay.worker_slots
+        slot_bit = lay.slot_bit
+        start_bits: dict[int, list[int]] = {}
         for wid, base in base_of.items():
             if base <= 0:
                 continue
             for slot in worker_slots[wid]:
                 size = slot_chunk.get(slot)
-                if size is None:
-                    continue
-                bit = 1 << slot
-                late |= bit
-                first = (base // size + 1) * (size // unit)
-                starts[first] = starts.get(first, 0) | bit
+                if size is not None:
+                    first = (base // size + 1) * (size // unit)
+                    bits = start_bits.get(first)
+                    if bits is None:
+                        start_bits[first] = [slot_bit[slot]]
+                    else:
+                        bits.append(slot_bit[slot])
+        # distinct single bits: their sum is their union, computed in C
+        starts = {first: sum(bits) for first, bits in start_bits.items()}
+        late = sum(starts.values())
         ends = _walk(keys, marks, lay.chunk_classes, alive & ~late, starts)
         out: dict[WorkerId, int] = {}
         multi: set[WorkerId] = set()
@@ -267,12 +274,10 @@ def _walk(
             dead = alive & ~held
             if dead:
                 d = dead & hits
-                if d:
-                    if d & (d - 1):
-                        for s in _bits(d):
-                            ends[s] = j - u
-                    else:
-                        ends[d.bit_length() - 1] = j - u
+                while d:  # usually one or two slots die at a time
+                    low = d & -d
+                    ends[low.bit_length() - 1] = j - u
+                    d ^= low
                 alive ^= dead
             hits |= alive
             j += u
@@ -287,7 +292,11 @@ def _walk(
     for m in masks:
         total |= m
     alive &= total
-    for j in range(1, n + 1):
+    step = 0
+    for u in steps:
+        step = math.gcd(step, u)
+    # every class boundary and every start is a multiple of ``step``
+    for j in range(step, n + 1, step):
         if pending_starts:
             s_mask = pending_starts.pop(j, 0)
             alive |= s_mask & total
