@@ -555,7 +555,8 @@ class BlockIndex:
         for i in range(n):
             h = hashes[i]
             m = meta.get(h)
-            if m is None or (_ck(m) is None and pk is not None and index_keys):
+            ck = _ck(m) if m is not None else None
+            if m is None or (ck is None and pk is not None and index_keys):
                 end = pend + size if pend is not None else None
                 base = off + i * size
                 if index_keys and pk is not None:
@@ -564,11 +565,9 @@ class BlockIndex:
                         k = hash((k, t[a : a + unit]))
                     if extras is not None and i < len(extras) and extras[i] is not None:
                         k = hash((k, extra_key(extras[i])))
-                    ck: int | None = k
-                else:
-                    ck = None
-                    if index_keys:
-                        stats.skipped["unknown_parent"] += 1
+                    ck = k
+                elif index_keys:
+                    stats.skipped["unknown_parent"] += 1
                 m = _pack(
                     ck,
                     end // size if end is not None else None,
@@ -585,13 +584,15 @@ class BlockIndex:
                     p = pending.pop((w.wid, gs.group, h), None)
                     if p is not None:
                         self._join_pending(w, gs, h, m, p)
-            elif tier == 0:
-                # LRU touch: move to the end of the group's insertion order
-                del meta[h]
-                meta[h] = m
-            pk, pend = _ck(m), _end_tokens(m)
+                pk, pend = ck, end
+            else:
+                if tier == 0:
+                    # LRU touch: move to the end of the group's insertion order
+                    del meta[h]
+                    meta[h] = m
+                pk, pend = ck, _end_tokens(m)
             parent = h
-            self._ref(w, gs, tier, h, m)
+            self._ref(w, gs, tier, h, ck)
         if tier == 0 and not index_keys and not gs.indexable_kind:
             stats.skipped["kind:" + (gs.kind or "none")] += n
 
@@ -615,7 +616,7 @@ class BlockIndex:
         self.stats.self_describing += 1
         self.stats.stored[TIERS[tier]] += 1
         self._observe_tail(w, gs, m)
-        self._ref(w, gs, tier, tail, m)
+        self._ref(w, gs, tier, tail, _ck(m))
 
     def _store_placeholder(
         self, w: _Worker, ev: BlockStored, tier: int, tails: Iterable[Hash] | None = None
@@ -636,7 +637,7 @@ class BlockIndex:
                 continue
             stats.joined += 1
             self._observe_tail(w, gs, m)
-            self._ref(w, gs, tier, h, m)
+            self._ref(w, gs, tier, h, _ck(m))
 
     def _add_pending(self, wid: WorkerId, group: int, h: Hash, tier: int) -> None:
         self.stats.pending += 1
@@ -650,12 +651,13 @@ class BlockIndex:
             self.stats.unjoined["pending_overflow"] += old[1] + old[2]
 
     def _join_pending(self, w: _Worker, gs: _Group, h: Hash, m: _Meta, p: list[int]) -> None:
+        ck = _ck(m)
         for tier in (1, 2):
             for _ in range(p[tier]):
                 self.stats.joined += 1
                 self.stats.joined_late += 1
                 self._observe_tail(w, gs, m)
-                self._ref(w, gs, tier, h, m)
+                self._ref(w, gs, tier, h, ck)
 
     def _legacy_store(self, w: _Worker, ev: BlockStored, tier: int) -> None:
         """≤0.23 CPU store: bytes hashes, no group, meaningless block_size (C§9.16).
@@ -675,7 +677,7 @@ class BlockIndex:
             self.stats.joined += 1
             m = gs.meta[h]
             self._observe_tail(w, gs, m)
-            self._ref(w, gs, tier, h, m)
+            self._ref(w, gs, tier, h, _ck(m))
 
     def _legacy_remove(self, w: _Worker, hashes: Iterable[Hash], tier: int) -> None:
         used: dict[Hash, int] = {}
@@ -708,7 +710,8 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ refs
 
-    def _ref(self, w: _Worker, gs: _Group, tier: int, h: Hash, m: _Meta) -> None:
+    def _ref(self, w: _Worker, gs: _Group, tier: int, h: Hash, ck: int | None) -> None:
+        """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key."""
         if tier < 0:
             return
         refs = gs.refs[tier]
@@ -716,7 +719,6 @@ class BlockIndex:
         refs[h] = c + 1
         if c:
             return
-        ck = _ck(m)
         if ck is not None:
             marks = self._marks[tier]
             marks[ck] = marks.get(ck, 0) | gs.bit
