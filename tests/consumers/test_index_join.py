@@ -411,3 +411,56 @@ def test_bad_configuration_is_rejected(bad: int) -> None:
         BlockIndex(canonical_block_size=bad)
     with pytest.raises(ConfigError):
         BlockIndex(blocks_per_chunk=bad)
+
+
+def test_blocks_per_chunk_configured_per_engine() -> None:
+    a, b = ("tcp://a:1", 0), ("tcp://b:1", 3)
+    index = BlockIndex(blocks_per_chunk={"tcp://a:1": 2, b: 1, "*": 4})
+    assert index.blocks_per_chunk(a) == 2 and index.blocks_per_chunk(b) == 1
+    assert index.blocks_per_chunk(("other", 0)) == 4
+    router = Router(index)
+    for w in (a, b):
+        feed(index, gpu_store(H, TOKENS, 16), placeholder(H[1]), *gpu_removed(H), worker=w)
+    # the same tail is a 2-block chunk on a, a 1-block chunk (block 1 only) on b
+    assert router.find_matches(TOKENS) == {a: Match(0, 32, 0)}
+    feed(index, placeholder(H[0]), worker=b)
+    assert router.find_matches(TOKENS) == {a: Match(0, 32, 0), b: Match(0, 32, 0)}
+
+
+def test_self_describing_partial_tail_joins_its_last_hash() -> None:
+    index = BlockIndex(blocks_per_chunk=2)
+    feed(index, gpu_store(H, TOKENS, 16))
+    raw4 = wire(TOKENS[:32], 4)
+    # a partial tail at tokens_per_hash = 4 granularity whose last raw hash is not a GPU block
+    feed(index, BlockStored(raw4[4:6], raw4[3], TOKENS[16:24], 4, None, "CPU", None, group_idx=0))
+    assert index.stats.skipped["self_describing_partial"] == 1
+    assert index.pending_count == 1  # waits for a GPU store of that hash; never guessed
+    assert Router(index).find_matches(TOKENS) == {W: Match(64, 0, 0)}
+
+
+def test_legacy_hash_keying_two_groups_goes_to_each_group_once() -> None:
+    digests = hash_request_blocks(TOKENS, 16, algo="sha256_cbor")
+    index = BlockIndex(blocks_per_chunk=1)
+    feed(index, gpu_store(H, TOKENS, 16, group=0), gpu_store(H[1::2], TOKENS, 32, group=1))
+    feed(index, *gpu_removed(H, 0), *gpu_removed(H[1::2], 1))
+    # H[1] keys both groups (a 32-token boundary is also a 16-token one, C§5.3)
+    feed(index, BlockStored([digests[1], digests[1], digests[0]], None, [], 0, None, "CPU", None))
+    assert index.stats.joined == 3
+    for g, h in ((0, H[1]), (1, H[1]), (0, H[0])):
+        info = index.block_info(W, g, h)
+        assert info is not None and info.tiers == {"CPU"}
+    assert Router(index).find_matches(TOKENS) == {W: Match(0, 32, 0)}
+
+
+def test_malformed_stores_are_counted_and_lose_nothing_else() -> None:
+    index = BlockIndex()
+    feed(
+        index,
+        BlockStored([1], None, [1, 2], 16, None, "GPU", None, group_idx=0),  # too few tokens
+        BlockStored([2], None, [], -1, None, "GPU", None, group_idx=0),  # bad size
+        gpu_store(H, TOKENS, 16),
+    )
+    assert index.stats.skipped["short_token_ids"] == 1
+    assert index.stats.skipped["bad_block_size"] == 1
+    assert Router(index).find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert index.stats.applied == 3 and index.stats.batches == 1
