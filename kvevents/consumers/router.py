@@ -171,15 +171,16 @@ class Router:
             best: int | None = None
             for s in worker_slots[wid]:
                 end = ends.get(s)
-                if s not in slot_chunk or end is None:
+                # every group must add at least one whole chunk of its own beyond base
+                if s not in slot_chunk or end is None or end * unit - base < slot_chunk[s]:
                     best = None
                     break
                 best = end * unit if best is None else min(best, end * unit)
             if best is None:
                 continue
             align = lay.worker_align[wid]
-            best = best // align * align
-            if all(best - base >= slot_chunk[s] for s in worker_slots[wid]):
+            best = best // align * align  # whole blocks of every group
+            if best > base:
                 out[wid] = best - base
         return out
 

@@ -93,10 +93,9 @@ class Model:
                         c += 1
                     ends.append(None if last is None else size * (last + 1))
                 add = 0
-                if all(e is not None for e in ends):
+                if all(e is not None and e - base >= BPC * s for e, (_, s) in zip(ends, groups)):
                     end = min(e for e in ends if e is not None) // lcm * lcm
-                    if all(end - base >= BPC * s for _, s in groups):
-                        add = end - base
+                    add = max(0, end - base)
                 tiers[t] = add
                 base += add
             if any(tiers):

@@ -464,3 +464,16 @@ def test_malformed_stores_are_counted_and_lose_nothing_else() -> None:
     assert index.stats.skipped["bad_block_size"] == 1
     assert Router(index).find_matches(TOKENS) == {W: Match(64, 0, 0)}
     assert index.stats.applied == 3 and index.stats.batches == 1
+
+
+def test_hybrid_cpu_credit_checks_each_group_against_its_own_chunk() -> None:
+    raw = wire(TOKENS, 16)
+    g1 = raw[1::2]
+    index = BlockIndex(blocks_per_chunk=2)  # chunks of 32 tokens (group 0) and 64 (group 1)
+    feed(index, gpu_store(raw, TOKENS, 16, group=0), gpu_store(g1, TOKENS, 32, group=1))
+    feed(index, placeholder(raw[1], group=0), placeholder(g1[1], group=1))
+    feed(index, *gpu_removed(raw, 0), *gpu_removed(g1, 1))
+    # group 0 adds its chunk 0 (32 tokens), group 1 its chunk 0 (64): the smaller end wins
+    assert Router(index).find_matches(TOKENS) == {W: Match(0, 32, 0)}
+    feed(index, BlockRemoved([g1[1]], "CPU", group_idx=1))
+    assert Router(index).find_matches(TOKENS) == {}
