@@ -721,7 +721,9 @@ class BlockIndex:
             return
         if ck is not None:
             marks = self._marks[tier]
-            marks[ck] = marks.get(ck, 0) | gs.bit
+            v = marks.get(ck)
+            # a key held by one slot shares the slot's bit object (no new int)
+            marks[ck] = gs.bit if v is None else v | gs.bit
         r = gs.refs
         if (tier != 0 and h in r[0]) or (tier != 1 and h in r[1]) or (tier != 2 and h in r[2]):
             return
@@ -833,7 +835,8 @@ class BlockIndex:
                 if old_ck is not None:
                     _unmark(marks, old_ck, gs.bit)
                 if new_ck is not None:
-                    marks[new_ck] = marks.get(new_ck, 0) | gs.bit
+                    v = marks.get(new_ck)
+                    marks[new_ck] = gs.bit if v is None else v | gs.bit
 
     def _evict(self) -> None:
         """Drop the least recently stored resident entries of the biggest worker group."""
