@@ -35,6 +35,7 @@ from _common import best_rate, parse_args, report, result
 from kvevents.codec import BatchDecoder, encode_batch
 from kvevents.consumers.content import prompt_keys
 from kvevents.consumers.index import BlockIndex, _ck
+from kvevents.consumers.index import _gpu as _gpu_refs
 from kvevents.consumers.router import Router
 from kvevents.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
@@ -170,9 +171,9 @@ def naive_matches(index: BlockIndex, tokens: list[int]) -> dict[Any, int]:
     for w in index.workers():
         held_by[w] = set()
     for _slot, (w, gs) in index._slots.items():  # the bench may peek inside
-        for h in gs.refs[0]:
-            ck = _ck(gs.meta[h])
-            if ck is not None:
+        for m in gs.meta.values():
+            ck = _ck(m)
+            if _gpu_refs(m) and ck is not None:
                 held_by[w.wid].add(ck)
     start = time.perf_counter()
     keys = prompt_keys(tokens, index.canonical_block_size)

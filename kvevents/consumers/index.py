@@ -81,15 +81,19 @@ _TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
 #   bits 0-63 content key + 2**63, bit 64 "has a content key",
 #   bits 65-84 end position in blocks + 1 (0: unknown), bits 85-104 block size,
-#   bits 105-169 parent hash + 1 (0: none).
+#   bits 105-169 parent hash + 1 (0: none), bits 170+ the GPU refcount.
 # Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
-# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens).
-_CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS = range(7)
+# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens, gpu refs).
+# Keeping the GPU refcount in the record saves a dict slot per GPU block.
+_CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS, _GPU = range(8)
 _Meta = Union[int, tuple[Any, ...]]
 _M64 = (1 << 64) - 1
 _M20 = (1 << 20) - 1
 _HAS_CK = 1 << 64
 _OFF = 1 << 63
+_M65 = (1 << 65) - 1
+_GSHIFT = 170
+_G1 = 1 << _GSHIFT
 
 
 def _pack(
@@ -117,7 +121,22 @@ def _pack(
         if parent is not None:
             v |= (parent + 1) << 105
         return v
-    return (ck, end_blocks, parent, size, lora, extra, tokens)
+    return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
+
+
+def _gpu(m: _Meta) -> int:
+    """The record's GPU refcount."""
+    if isinstance(m, int):
+        return m >> _GSHIFT
+    count: int = m[_GPU]
+    return count
+
+
+def _add_gpu(m: _Meta, delta: int) -> _Meta:
+    """The record with its GPU refcount changed by ``delta``."""
+    if isinstance(m, int):
+        return m + delta * _G1
+    return (*m[:_GPU], m[_GPU] + delta)
 
 
 def _ck(m: _Meta) -> int | None:
@@ -144,7 +163,7 @@ def _end_tokens(m: _Meta) -> int | None:
 
 def _parent(m: _Meta) -> Hash | None:
     if isinstance(m, int):
-        p = m >> 105
+        p = (m >> 105) & _M65
         return p - 1 if p else None
     parent: Hash | None = m[_PARENT]
     return parent
@@ -269,6 +288,8 @@ class _Group:
         self.kind: str | None = None
         self.indexable_kind = True  # kind None or prefix-indexable: compute content keys
         self.meta: dict[Hash, _Meta] = {}
+        # CPU and STORAGE refcounts per chunk-tail hash; index 0 stays empty (the GPU
+        # refcount lives in the metadata record).
         self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
 
 
@@ -477,13 +498,23 @@ class BlockIndex:
         wid = w.wid
         for gs in w.groups.values():
             bit = gs.bit
+            meta = gs.meta
+            gpu_marks = self._marks[0]
             held: set[Hash] = set()
-            for tier in range(3):
+            for h, m in meta.items():
+                if _gpu(m):
+                    held.add(h)
+                    ck = _ck(m)
+                    if ck is not None:
+                        _unmark(gpu_marks, ck, bit)
+            for h in held:
+                meta[h] = _add_gpu(meta[h], -_gpu(meta[h]))
+            for tier in (1, 2):
                 refs = gs.refs[tier]
                 marks = self._marks[tier]
                 for h in refs:
-                    m = gs.meta.get(h)
-                    ck = _ck(m) if m is not None else None
+                    tm = gs.meta.get(h)
+                    ck = _ck(tm) if tm is not None else None
                     if ck is not None:
                         _unmark(marks, ck, bit)
                 held.update(refs)
@@ -577,7 +608,8 @@ class BlockIndex:
                     extras[i] if extras is not None and i < len(extras) else None,
                     t[base : base + size] if self.keep_token_ids else None,
                 )
-                if h in meta:  # an orphan healed: re-key its residencies
+                if h in meta:  # an orphan healed: keep its refcount, re-key its residencies
+                    m = _add_gpu(m, _gpu(meta[h]))
                     self._rekey(gs, h, meta[h], m)
                 meta[h] = m
                 if pending:
@@ -687,7 +719,7 @@ class BlockIndex:
                 self.stats.unknown_removals[TIERS[tier]] += 1
                 continue
             gs, h = found
-            self._deref(w, gs, tier, h)
+            self._remove(w, gs.group, [h], tier)
 
     @staticmethod
     def _legacy_find(
@@ -711,21 +743,39 @@ class BlockIndex:
     # ------------------------------------------------------------------ refs
 
     def _ref(self, w: _Worker, gs: _Group, tier: int, h: Hash, ck: int | None) -> None:
-        """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key."""
+        """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
+
+        For the GPU tier the record of ``h`` must exist (it holds the refcount).
+        """
         if tier < 0:
             return
-        refs = gs.refs[tier]
-        c = refs.get(h, 0)
-        refs[h] = c + 1
-        if c:
-            return
+        r = gs.refs
+        if tier == 0:
+            meta = gs.meta
+            m = meta[h]
+            if isinstance(m, int):
+                c = m >> _GSHIFT
+                meta[h] = m + _G1
+            else:
+                c = m[_GPU]
+                meta[h] = _add_gpu(m, 1)
+            if c:
+                return
+            elsewhere = h in r[1] or h in r[2]
+        else:
+            refs = r[tier]
+            c = refs.get(h, 0)
+            refs[h] = c + 1
+            if c:
+                return
+            om = gs.meta.get(h)
+            elsewhere = (om is not None and _gpu(om) > 0) or h in r[3 - tier]
         if ck is not None:
             marks = self._marks[tier]
             v = marks.get(ck)
             # a key held by one slot shares the slot's bit object (no new int)
             marks[ck] = gs.bit if v is None else v | gs.bit
-        r = gs.refs
-        if (tier != 0 and h in r[0]) or (tier != 1 and h in r[1]) or (tier != 2 and h in r[2]):
+        if elsewhere:
             return
         self._resident += 1
         if self._retired:
@@ -739,8 +789,8 @@ class BlockIndex:
             for h in hashes:
                 self._remove_unknown(w, None, group, h, tier)
             return
-        refs = gs.refs[tier]
-        r0, r1, r2 = gs.refs
+        r = gs.refs
+        refs = r[tier]
         marks = self._marks[tier]
         meta = gs.meta
         bit = gs.bit
@@ -748,16 +798,29 @@ class BlockIndex:
         wid = w.wid
         removed = 0
         for h in hashes:
-            c = refs.get(h)
-            if c is None:
-                self._remove_unknown(w, gs, group, h, tier)
-                continue
-            removed += 1
-            if c > 1:
-                refs[h] = c - 1
-                continue
-            del refs[h]
-            m = meta.get(h)
+            if tier == 0:
+                m = meta.get(h)
+                c = 0 if m is None else _gpu(m)
+                if not c or m is None:
+                    self._remove_unknown(w, gs, group, h, tier)
+                    continue
+                removed += 1
+                meta[h] = _add_gpu(m, -1)
+                if c > 1:
+                    continue
+                elsewhere = h in r[1] or h in r[2]
+            else:
+                cc = refs.get(h)
+                if cc is None:
+                    self._remove_unknown(w, gs, group, h, tier)
+                    continue
+                removed += 1
+                if cc > 1:
+                    refs[h] = cc - 1
+                    continue
+                del refs[h]
+                m = meta.get(h)
+                elsewhere = (m is not None and _gpu(m) > 0) or h in r[3 - tier]
             if m is not None:
                 ck = _ck(m)
                 if ck is not None:
@@ -768,7 +831,7 @@ class BlockIndex:
                             marks[ck] = v
                         else:
                             del marks[ck]
-            if not (h in r0 or h in r1 or h in r2):
+            if not elsewhere:
                 self._resident -= 1
                 retired[(wid, group, h)] = None
                 if len(retired) > self.gpu_metadata_retention:
@@ -793,21 +856,12 @@ class BlockIndex:
             return
         self.stats.unknown_removals[TIERS[tier]] += 1
 
-    def _deref(self, w: _Worker, gs: _Group, tier: int, h: Hash) -> None:
-        refs = gs.refs[tier]
-        c = refs[h]
-        if c > 1:
-            refs[h] = c - 1
-            return
-        del refs[h]
+    @staticmethod
+    def _held(gs: _Group, h: Hash) -> bool:
+        """Whether any tier holds ``h`` in this group."""
         m = gs.meta.get(h)
-        ck = _ck(m) if m is not None else None
-        if ck is not None:
-            _unmark(self._marks[tier], ck, gs.bit)
         r = gs.refs
-        if not (h in r[0] or h in r[1] or h in r[2]):
-            self._resident -= 1
-            self._retire(w.wid, gs, h)
+        return (m is not None and _gpu(m) > 0) or h in r[1] or h in r[2]
 
     def _retire(self, wid: WorkerId, gs: _Group, h: Hash) -> None:
         self._retired[(wid, gs.group, h)] = None
@@ -822,15 +876,14 @@ class BlockIndex:
             ogs = ow.groups.get(ogroup) if ow is not None else None
             if ogs is None:
                 continue
-            r = ogs.refs
-            if not (oh in r[0] or oh in r[1] or oh in r[2]):
-                ogs.meta.pop(oh, None)
+            if oh in ogs.meta and not self._held(ogs, oh):
+                del ogs.meta[oh]
                 self.stats.metadata_evicted += 1
 
     def _rekey(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
         old_ck, new_ck = _ck(old), _ck(new)
         for tier in range(3):
-            if h in gs.refs[tier]:
+            if (_gpu(old) > 0) if tier == 0 else (h in gs.refs[tier]):
                 marks = self._marks[tier]
                 if old_ck is not None:
                     _unmark(marks, old_ck, gs.bit)
@@ -845,17 +898,18 @@ class BlockIndex:
             _, gs = max(self._slots.values(), key=lambda s: len(s[1].meta))
             victims = []
             for h in gs.meta:
-                r = gs.refs
-                if h in r[0] or h in r[1] or h in r[2]:
+                if self._held(gs, h):
                     victims.append(h)
                     if len(victims) >= batch:
                         break
             if not victims:
                 return
             for h in victims:
-                ck = _ck(gs.meta.pop(h))
+                m = gs.meta.pop(h)
+                ck = _ck(m)
                 for tier in range(3):
-                    if gs.refs[tier].pop(h, None) is not None and ck is not None:
+                    held = _gpu(m) > 0 if tier == 0 else gs.refs[tier].pop(h, None) is not None
+                    if held and ck is not None:
                         _unmark(self._marks[tier], ck, gs.bit)
                 self._resident -= 1
                 self.stats.evicted_by_cap += 1
@@ -895,7 +949,9 @@ class BlockIndex:
         m = gs.meta.get(block_hash) if gs is not None else None
         if w is None or gs is None or m is None:
             return None
-        tiers = frozenset(TIERS[t] for t in range(3) if block_hash in gs.refs[t])
+        tiers = frozenset(
+            TIERS[t] for t in range(3) if (_gpu(m) > 0 if t == 0 else block_hash in gs.refs[t])
+        )
         chunk = None
         if w.bpc and (block_hash in gs.refs[1] or block_hash in gs.refs[2]):
             hashes: list[Hash] = [block_hash]
@@ -944,12 +1000,16 @@ class BlockIndex:
             retained = 0
             for gs in w.groups.values():
                 retained += len(gs.meta)
-                for tier in range(3):
+                for m in gs.meta.values():
+                    if _gpu(m):
+                        counts[0][0] += 1
+                        counts[0][1] += _size(m)
+                for tier in (1, 2):
                     for h in gs.refs[tier]:
-                        m = gs.meta.get(h)
-                        size = _size(m) if m is not None else 0
+                        tm = gs.meta.get(h)
+                        size = _size(tm) if tm is not None else 0
                         counts[tier][0] += 1
-                        counts[tier][1] += size if tier == 0 else size * (w.bpc or 1)
+                        counts[tier][1] += size * (w.bpc or 1)
             out[wid] = WorkerSummary(
                 worker=wid,
                 groups=len(w.groups),

@@ -16,7 +16,7 @@ from functools import cache
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.router import Match, Router
@@ -61,6 +61,16 @@ class Model:
         self.held: dict[tuple[tuple[str, int], str, int], Counter[tuple[int, ...]]] = {}
         self.pending: Counter[tuple[tuple[str, int], str, int, tuple[int, ...]]] = Counter()
         self.known: set[tuple[tuple[str, int], int, tuple[int, ...]]] = set()
+        # (worker, tier, group, prefix) -> the engine hash that names it
+        self.hash_of: dict[tuple[tuple[str, int], str, int, tuple[int, ...]], int] = {}
+
+    def held_items(self) -> list[tuple[tuple[str, int], str, int, tuple[int, ...]]]:
+        return sorted(
+            (w, tier, g, prefix)
+            for (w, tier, g), c in self.held.items()
+            for prefix, n in c.items()
+            if n > 0
+        )
 
     def counter(self, w: tuple[str, int], tier: str, g: int) -> Counter[tuple[int, ...]]:
         return self.held.setdefault((w, tier, g), Counter())
@@ -129,6 +139,7 @@ class IndexVsModel(RuleBasedStateMachine):
                                        group_idx=g, kv_cache_spec_kind="full_attention"))  # fmt: skip
             for i in range(start, stop):
                 prefix = tokens[: (i + 1) * s]
+                self.model.hash_of[(w, "GPU", g, prefix)] = hs[i]
                 self.model.counter(w, "GPU", g)[prefix] += 1
                 self.model.known.add((w, g, prefix))
                 for tier in ("CPU", "STORAGE"):
@@ -158,6 +169,7 @@ class IndexVsModel(RuleBasedStateMachine):
         tail = hs[(c + 1) * BPC - 1]
         self._apply(w, BlockStored([tail], None, [], 0, None, tier, None, group_idx=g))
         prefix = SEQS[seq][: (c + 1) * BPC * s]
+        self.model.hash_of[(w, tier, g, prefix)] = tail
         if (w, g, prefix) in self.model.known:
             self.model.counter(w, tier, g)[prefix] += 1
         else:
@@ -176,6 +188,14 @@ class IndexVsModel(RuleBasedStateMachine):
             held[prefix] -= 1
         elif self.model.pending[(w, tier, g, prefix)] > 0:
             self.model.pending[(w, tier, g, prefix)] -= 1
+
+    @precondition(lambda self: bool(self.model.held_items()))
+    @rule(data=st.data())
+    def remove_held(self, data: st.DataObject) -> None:
+        """Remove something the model says is held (duplicates make this interesting)."""
+        w, tier, g, prefix = data.draw(st.sampled_from(self.model.held_items()))
+        self._apply(w, BlockRemoved([self.model.hash_of[(w, tier, g, prefix)]], tier, group_idx=g))
+        self.model.counter(w, tier, g)[prefix] -= 1
 
     @rule(w=st.sampled_from(WIDS))
     def clear(self, w: tuple[str, int]) -> None:
@@ -210,5 +230,5 @@ class IndexVsModel(RuleBasedStateMachine):
         )
 
 
-IndexVsModel.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+IndexVsModel.TestCase.settings = settings(max_examples=150, stateful_step_count=35, deadline=None)
 TestIndexVsModel = IndexVsModel.TestCase
