@@ -28,6 +28,10 @@ Model
 * Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
   that the least recently stored entries of the biggest worker are evicted and counted.
 
+Caveat: stores are refcounted as DESIGN §4 asks, so a GPU re-announcement of prefix hits
+(``kv_cache_report_mode="full"``, C§4.3) followed by the block's single removal leaves
+the block counted until a later removal, ``AllBlocksCleared`` or a reset.
+
 Not thread-safe: feed it from one thread (the subscriber's) and query from the same one,
 or guard it with a lock.
 """
@@ -38,7 +42,7 @@ import heapq
 import logging
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -680,6 +684,12 @@ class BlockIndex:
         p[tier] += 1
         while len(self._pending) > self.max_pending:
             _, old = self._pending.popitem(last=False)
+            if not self.stats.unjoined["pending_overflow"]:
+                logger.warning(
+                    "block index: more than %d CPU/STORAGE stores wait for their GPU store; "
+                    "dropping the oldest (counted as unjoined[pending_overflow])",
+                    self.max_pending,
+                )
             self.stats.unjoined["pending_overflow"] += old[1] + old[2]
 
     def _join_pending(self, w: _Worker, gs: _Group, h: Hash, m: _Meta, p: list[int]) -> None:
@@ -1083,13 +1093,6 @@ class BlockIndex:
     def marks(self, tier: int) -> dict[int, int]:
         """Content key → bitset of slots holding a block (GPU) or chunk ending there."""
         return self._marks[tier]
-
-    def iter_groups(self) -> Iterator[tuple[WorkerId, int, str | None, int]]:
-        """(worker, group, kind, block size) for every known worker group."""
-        for wid in sorted(self._workers):
-            for g in sorted(self._workers[wid].groups):
-                gs = self._workers[wid].groups[g]
-                yield wid, g, gs.kind, gs.block_size
 
 
 def _unmark(marks: dict[int, int], ck: int, bit: int) -> None:
