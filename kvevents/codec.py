@@ -71,6 +71,17 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 # Required in vLLM 0.33 but absent from older producers: read as None (C§1.3).
 _TOLERATED_MISSING = ("lora_id", "medium", "lora_name")
+# Fields every producer has written in the same positions since vLLM 0.9 (and SGLang).
+_CORE_FIELDS: dict[str, frozenset[str]] = {
+    "BlockStored": frozenset({"block_hashes", "parent_block_hash", "token_ids", "block_size"}),
+    "BlockRemoved": frozenset({"block_hashes"}),
+    "AllBlocksCleared": frozenset(),
+}
+# Each field's type, to test one positional value at a time.
+_FIELD_TYPES: dict[str, dict[str, Any]] = {
+    name: {f.name: f.type for f in msgspec.structs.fields(cls)}
+    for name, cls in _EVENT_CLASSES.items()
+}
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -162,12 +173,17 @@ class DecodeStats:
 
     ``skipped_events`` counts skipped events by reason (``"unknown_tag"``);
     ``unknown_tags`` counts them by the tag seen.  ``tolerant_batches`` counts batches
-    that needed the generic (slow) path.
+    that needed the generic (slow) path.  ``ignored_fields`` counts, by
+    ``"Class.field"``, optional values of positional (array) events that did not fit
+    the vLLM field in that position and were read as ``None``: a foreign producer's
+    extension (SGLang's ``{"cache_salt": ...}`` metadata sits where vLLM 0.13-0.15 put
+    ``lora_name``).
     """
 
     skipped_events: Counter[str] = field(default_factory=Counter)
     unknown_tags: Counter[str] = field(default_factory=Counter)
     tolerant_batches: int = 0
+    ignored_fields: Counter[str] = field(default_factory=Counter)
 
 
 class BatchDecoder:
@@ -239,6 +255,7 @@ class BatchDecoder:
                 self._skip_unknown(tag)
                 return None
             fields = dict(zip(_FIELDS[tag], raw[1:]))
+            self._drop_foreign_positional(tag, fields)
         elif isinstance(raw, dict):
             raw_tag = raw.get("type")
             if not isinstance(raw_tag, str):
@@ -261,6 +278,24 @@ class BatchDecoder:
             raise DecodeError(f"{where} ({tag}): {_relocate(str(exc))}") from exc
         except (TypeError, ValueError, OverflowError) as exc:
             raise DecodeError(f"{where} ({tag}): {exc}") from exc
+
+    def _drop_foreign_positional(self, tag: str, fields: dict[str, Any]) -> None:
+        """Read as ``None`` (and count) optional positional values of the wrong type.
+
+        Positions are vLLM's; another producer may put its own extension in a slot that
+        vLLM later gave an optional field.  The core fields are never dropped, so a
+        malformed event still fails.
+        """
+        core = _CORE_FIELDS[tag]
+        types = _FIELD_TYPES[tag]
+        for name in list(fields):
+            if name in core or fields[name] is None:
+                continue
+            try:
+                msgspec.convert(fields[name], types[name], strict=True)
+            except (msgspec.ValidationError, TypeError, ValueError, OverflowError):
+                fields[name] = None
+                self.stats.ignored_fields[f"{tag}.{name}"] += 1
 
     def _skip_unknown(self, tag: str) -> None:
         self.stats.skipped_events["unknown_tag"] += 1
