@@ -315,8 +315,8 @@ class ZmqEventPublisher:
     def publish(self, batch: EventBatch) -> None:
         """Queue ``batch`` for sending; never blocks.
 
-        Sets ``batch.data_parallel_rank`` to this publisher's rank (as vLLM does) and
-        assigns the next seq.  If the queue is full the batch is dropped and counted;
+        Sets ``batch.data_parallel_rank`` to this publisher's rank when it is ``None``
+        (as vLLM does; a rank the caller set is kept) and assigns the next seq.  If the queue is full the batch is dropped and counted;
         its seq is still consumed so consumers see a gap.  The caller must not mutate
         ``batch`` afterwards.  Raises :class:`PublisherClosedError` after
         :meth:`shutdown`, and :class:`~kvevents.errors.EncodeError` (a ``TypeError``)
@@ -326,7 +326,8 @@ class ZmqEventPublisher:
             raise EncodeError(
                 f"publish() takes a KVEventBatch (an EventBatch), got {type(batch).__name__}"
             )
-        batch.data_parallel_rank = self.data_parallel_rank
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
         with self._lock:
             if self._closed:
                 raise PublisherClosedError(
