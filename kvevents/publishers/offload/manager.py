@@ -261,13 +261,13 @@ class CPUOffloadingManager(OffloadingManager):
 
         Returns ``None`` with no slot, residency or event change when the absent keys do
         not fit even after evicting every evictable key that is not offered now.  Access
-        accounting (the threshold tracker, the policy's miss/access hooks) is recorded
+        accounting (the threshold tracker, the policy's miss/access hooks, the request's
+        record of its store candidates and of the ready keys it *reuses*) is recorded
         either way, as in vLLM.
         """
         c = self._ctx(ctx)
         state = self._state(c)
         offered = _unique(keys)
-        self._remember(c, state, offered)
 
         if self._access_counts is not None:
             for key in offered:
@@ -299,6 +299,13 @@ class CPUOffloadingManager(OffloadingManager):
             self.policy.on_store_miss(new_misses, c)
         if reused:
             self.policy.on_request_access(reused, c)
+        # The request's record holds what it stores and what it reuses; a key whose
+        # write is still in flight for another request, or that the threshold held
+        # back, is neither (its recency is not this request's to change at finish).
+        recorded = set(candidates).union(reused)
+        self._remember(c, state, [k for k in offered if k in recorded])
+        if reused and c is not self._anonymous:
+            state.reused.update(reused)
 
         if not candidates:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])

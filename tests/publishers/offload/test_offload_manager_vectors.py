@@ -334,3 +334,47 @@ def test_offloading_event_shape_has_no_block_size() -> None:
         False,
         False,
     )
+
+
+# --- what a request's finish hands to the policy (C§5.4 prepare_store steps 2 and 5) ---
+
+
+def test_arc_ready_key_offered_for_storing_counts_as_reused_at_finish() -> None:
+    # prepare_store step 2: an offered key that is present and ready is *reused*, so at
+    # the request's finish ARC promotes it to T2 just as it would a loaded key.
+    m = CPUOffloadingManager(num_chunks=4, cache_policy="arc")
+    first = ReqContext(req_id="first")
+    m.prepare_store(Ks(1), first)
+    m.complete_store(Ks(1), first)
+    m.on_request_finished(first)
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert K(1) in policy.t1
+
+    second = ReqContext(req_id="second")
+    out = m.prepare_store(Ks(1, 2), second)
+    assert out is not None and ids_of(out.keys_to_store) == [2]
+    m.complete_store(Ks(2), second)
+    m.on_request_finished(second)
+    assert list(policy.t2) == [K(1)]
+    assert list(policy.t1) == [K(2)]
+
+
+def test_lru_finish_does_not_touch_a_key_another_request_is_still_writing() -> None:
+    # prepare_store records only its store candidates and the ready keys it reuses; a key
+    # offered while another request's write of it is in flight is neither, so this
+    # request's finish leaves its recency alone.
+    m = CPUOffloadingManager(num_chunks=2, cache_policy="lru")
+    writer = ReqContext(req_id="writer")
+    m.prepare_store(Ks(1), writer)
+    reader = ReqContext(req_id="reader")
+    reader.set_position(K(1), 16)
+    reader.set_position(K(2), 32)
+    out = m.prepare_store(Ks(1, 2), reader)
+    assert out is not None and ids_of(out.keys_to_store) == [2]
+    m.complete_store(Ks(1), writer)
+    m.complete_store(Ks(2), reader)
+    m.on_request_finished(writer)
+    m.on_request_finished(reader)
+    # The reader's finish made K(2) the most recent; K(1) was last touched by the writer.
+    assert store(m, [3], ReqContext(req_id="next")) == ([0], [1])
