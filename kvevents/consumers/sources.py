@@ -111,6 +111,12 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint
 
 
+def _enable_ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Let ``sock`` reach an IPv6 address (``tcp://[::1]:5557``); off by default in ZMQ."""
+    if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 class ZmqSource:
     """A vLLM-compatible publisher: SUB on ``endpoint``, DEALER on ``replay_endpoint``.
 
@@ -142,6 +148,7 @@ class ZmqSource:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        _enable_ipv6_if_needed(self._sub, endpoint)
         try:
             if _binds(endpoint):
                 self._sub.bind(endpoint)
@@ -208,6 +215,7 @@ class ZmqSource:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
+            _enable_ipv6_if_needed(dealer, self.replay_endpoint)
             dealer.connect(self.replay_endpoint)
             self._dealer = dealer
         try:

@@ -144,3 +144,41 @@ def test_not_a_capture_is_a_clear_error(tmp_path):
     bad.write_bytes(b"hello")
     with pytest.raises(CaptureError, match="not a kvevents capture"):
         Subscriber(str(bad))
+
+
+def test_ipv6_publisher_is_followed_live_and_through_replay():
+    """A publisher on an IPv6 address (vLLM binds ``tcp://[::]:5557`` or a v6 host): the
+    SUB and the replay DEALER must both speak IPv6, or nothing ever arrives."""
+    import time
+
+    from kvevents.events import BlockRemoved, KVEventBatch
+    from kvevents.publishers import ZmqEventPublisher
+
+    try:
+        pub = ZmqEventPublisher(endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0")
+    except ConfigError as exc:  # pragma: no cover - host without IPv6 loopback
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    try:
+        for i in range(3):
+            pub.publish(KVEventBatch(float(i), [BlockRemoved([i], "GPU")]))
+        with Subscriber(
+            pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
+        ) as sub:
+            replayed: list[int] = []
+            live = False
+            deadline = time.monotonic() + 10
+            n = 3
+            while (len(replayed) < 3 or not live) and time.monotonic() < deadline:
+                if len(replayed) >= 3:
+                    pub.publish(KVEventBatch(float(n), [BlockRemoved([n], "GPU")]))
+                    n += 1
+                item = sub.receive(timeout=0.05)
+                if isinstance(item, ReceivedBatch):
+                    if item.replayed and item.seq < 3:
+                        replayed.append(item.seq)
+                    elif not item.replayed:
+                        live = True
+            assert replayed == [0, 1, 2]
+            assert live, "no live batch arrived over IPv6"
+    finally:
+        pub.shutdown()
