@@ -161,6 +161,11 @@ def test_ipv6_publisher_is_followed_live_and_through_replay():
     try:
         for i in range(3):
             pub.publish(KVEventBatch(float(i), [BlockRemoved([i], "GPU")]))
+        # Sent (to nobody) before the subscriber exists: only replay can supply them.
+        sent_by = time.monotonic() + 10
+        while pub.stats.batches_published < 3:
+            assert time.monotonic() < sent_by, "publisher never sent its batches"
+            time.sleep(0.001)
         with Subscriber(
             pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
         ) as sub:
@@ -178,7 +183,7 @@ def test_ipv6_publisher_is_followed_live_and_through_replay():
                         replayed.append(item.seq)
                     elif not item.replayed:
                         live = True
-            assert replayed == [0, 1, 2]
+            assert replayed == [0, 1, 2], sub.stats
             assert live, "no live batch arrived over IPv6"
     finally:
         pub.shutdown()
