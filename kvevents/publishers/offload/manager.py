@@ -39,7 +39,11 @@ from kvevents.publishers.offload.base import (
     ReqContext,
     get_offload_group_idx,
 )
-from kvevents.publishers.offload.policies.base import CachePolicy, ChunkStatus
+from kvevents.publishers.offload.policies.base import (
+    CachePolicy,
+    ChunkStatus,
+    order_request_keys,
+)
 from kvevents.publishers.offload.policies.registry import get_cache_policy
 
 __all__ = ["CPUOffloadingManager", "OffloadManagerStats"]
@@ -375,7 +379,11 @@ class CPUOffloadingManager(OffloadingManager):
                     self._released[key] = event
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """Hand the request's keys to the policy once (per KV group, head to tail)."""
+        """Hand the request's keys to the policy once (per KV group, head to tail).
+
+        The groups go in group-index order; the built-in policies then walk all of the
+        keys in one tail-to-head order by position (C§5.5).
+        """
         state = self._state(ctx)
         if state.finished or ctx is self._anonymous:
             return
@@ -383,11 +391,9 @@ class CPUOffloadingManager(OffloadingManager):
         groups: dict[int, list[OffloadKey]] = {}
         for key in state.keys:
             groups.setdefault(get_offload_group_idx(key), []).append(key)
-        positions = ctx.offload_key_positions
-        big = 1 << 62
-        key_groups = [
-            sorted(group, key=lambda k: positions.get(k, big)) for group in groups.values()
-        ]
+        # Groups by index; within one, head to tail by position when every key has one,
+        # else in the order the request first offered or loaded them.
+        key_groups = [order_request_keys([groups[g]], ctx) for g in sorted(groups)]
         self.policy.on_request_finished(
             key_groups, state.inserted - state.reused, set(state.reused), ctx
         )

@@ -378,3 +378,52 @@ def test_lru_finish_does_not_touch_a_key_another_request_is_still_writing() -> N
     m.on_request_finished(reader)
     # The reader's finish made K(2) the most recent; K(1) was last touched by the writer.
     assert store(m, [3], ReqContext(req_id="next")) == ([0], [1])
+
+
+def _two_group_request() -> tuple[ReqContext, list[OffloadKey]]:
+    """A hybrid request: group 1 (16-token chunks) is offered before group 0 (32)."""
+    ctx = ReqContext(req_id="hybrid")
+    g1 = [make_offload_key(f"g1-{p}".encode(), 1) for p in (16, 32, 48, 64)]
+    g0 = [make_offload_key(f"g0-{p}".encode(), 0) for p in (32, 64)]
+    for key, pos in zip(g1, (16, 32, 48, 64)):
+        ctx.set_position(key, pos)
+    for key, pos in zip(g0, (32, 64)):
+        ctx.set_position(key, pos)
+    return ctx, g1 + g0
+
+
+def _label(key: OffloadKey) -> str:
+    return get_offload_block_hash(key).decode()
+
+
+# C§5.5: at a request's finish the policy walks *all* of the request's keys tail to head
+# (one order over every KV group, by token position; groups by index, then first seen,
+# when positions are missing), so the head ends most recent whatever its group.
+HEAD_TO_TAIL = ["g1-16", "g0-32", "g1-32", "g1-48", "g0-64", "g1-64"]
+
+
+def test_lru_finish_orders_a_hybrid_request_by_position_across_groups() -> None:
+    m = CPUOffloadingManager(num_chunks=6, cache_policy="lru")
+    ctx, keys = _two_group_request()
+    m.prepare_store(keys[:4], ctx)
+    m.prepare_store(keys[4:], ctx)
+    m.complete_store(keys, ctx)
+    m.on_request_finished(ctx)
+    evicted: list[str] = []
+    for i in range(6):
+        out = m.prepare_store([K(100 + i)], ReqContext(req_id=f"n{i}"))
+        assert out is not None
+        evicted += [_label(k) for k in out.evicted_keys]
+    assert evicted == HEAD_TO_TAIL[::-1]
+
+
+def test_arc_finish_orders_a_hybrid_request_by_position_across_groups() -> None:
+    m = CPUOffloadingManager(num_chunks=6, cache_policy="arc")
+    ctx, keys = _two_group_request()
+    m.prepare_store(keys[:4], ctx)
+    m.prepare_store(keys[4:], ctx)
+    m.complete_store(keys, ctx)
+    m.on_request_finished(ctx)
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert [_label(k) for k in policy.t1] == HEAD_TO_TAIL[::-1]  # LRU end first

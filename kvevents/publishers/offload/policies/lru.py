@@ -10,6 +10,8 @@ evicted first.
 * :meth:`touch` gives fresh, increasing ranks walking the keys in reverse, so
   ``keys[0]`` ends most recent.
 * :meth:`on_request_access` raises a key to ``(request_rank, -position)`` if higher.
+* :meth:`on_request_finished` re-touches all of the request's keys in one tail-to-head
+  order across its KV groups (by position), so its head ends most recent.
 
 Evictable keys live in a lazy min-heap: entries whose rank is stale, or whose chunk is
 no longer evictable, are skipped when popped and the heap is rebuilt when stale entries
@@ -22,7 +24,11 @@ import heapq
 from collections.abc import Iterator, Sequence
 
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
-from kvevents.publishers.offload.policies.base import CachePolicy, ChunkStatus
+from kvevents.publishers.offload.policies.base import (
+    CachePolicy,
+    ChunkStatus,
+    order_request_keys,
+)
 
 __all__ = ["LRUCachePolicy"]
 
@@ -103,6 +109,16 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(keys):
             if key in self._chunks:
                 self._set_rank(key, self._fresh_rank())
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: set[OffloadKey],
+        reused: set[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """Re-touch every key of the request, across groups, tail to head (head MRU)."""
+        self.touch(order_request_keys(key_groups, ctx), ctx)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         for key in keys:
