@@ -427,3 +427,21 @@ def test_arc_finish_orders_a_hybrid_request_by_position_across_groups() -> None:
     policy = m.policy
     assert isinstance(policy, ARCCachePolicy)
     assert [_label(k) for k in policy.t1] == HEAD_TO_TAIL[::-1]  # LRU end first
+
+
+def test_lru_request_rank_is_drawn_afresh_after_a_reset() -> None:
+    # A request that spans reset_cache() gets a new request rank: its later stores are
+    # as recent as the stores of requests that started after the reset.
+    m = CPUOffloadingManager(num_chunks=2, cache_policy="lru")
+    long_running = ReqContext(req_id="long")
+    long_running.set_position(K(1), 16)
+    long_running.set_position(K(3), 32)
+    store(m, [1], long_running)
+    m.complete_store(Ks(1), long_running)
+    m.reset_cache()
+    newcomer = ReqContext(req_id="new")
+    store(m, [2], newcomer)
+    store(m, [3], long_running)
+    m.complete_store(Ks(2), newcomer)
+    m.complete_store(Ks(3), long_running)
+    assert store(m, [4], ReqContext(req_id="next")) == ([0], [2])

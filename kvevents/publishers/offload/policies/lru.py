@@ -7,6 +7,8 @@ evicted first.
   ``(request_rank, -position)``: the request's rank is drawn once from a global counter,
   and within a request the tail (higher position) ranks lower, so it goes first.
 * A key without a position ranks ``(next_rank, 0)``: insertion order.
+* :meth:`clear` (a cache reset) voids every request rank drawn before it; a request
+  that spans the reset draws a new one.
 * :meth:`touch` gives fresh, increasing ranks walking the keys in reverse, so
   ``keys[0]`` ends most recent.
 * :meth:`on_request_access` raises a key to ``(request_rank, -position)`` if higher.
@@ -47,6 +49,7 @@ class LRUCachePolicy(CachePolicy):
         self._evictable: set[OffloadKey] = set()
         self._heap: list[tuple[Rank, OffloadKey]] = []
         self._next_rank = 0
+        self._generation = 0  # bumped by clear(): request ranks drawn before are void
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -58,11 +61,12 @@ class LRUCachePolicy(CachePolicy):
     def _request_rank(self, ctx: ReqContext) -> int:
         # Stored per policy instance so two managers sharing a context stay independent.
         slot = f"{_SCRATCH_RANK}.{id(self)}"
-        rank = ctx.scratch.get(slot)
-        if not isinstance(rank, int):
-            rank = self._next_rank
-            self._next_rank += 1
-            ctx.scratch[slot] = rank
+        entry = ctx.scratch.get(slot)
+        if isinstance(entry, tuple) and entry[0] == self._generation:
+            return int(entry[1])
+        rank = self._next_rank
+        self._next_rank += 1
+        ctx.scratch[slot] = (self._generation, rank)
         return rank
 
     def _set_rank(self, key: OffloadKey, rank: Rank) -> None:
@@ -177,3 +181,5 @@ class LRUCachePolicy(CachePolicy):
         self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
+        self._next_rank = 0
+        self._generation += 1
