@@ -286,20 +286,29 @@ class BatchDecoder:
         vLLM later gave an optional field.  The core fields are never dropped, so a
         malformed event still fails.
         """
-        core = _CORE_FIELDS[tag]
-        types = _FIELD_TYPES[tag]
-        for name in list(fields):
-            if name in core or fields[name] is None:
-                continue
-            try:
-                msgspec.convert(fields[name], types[name], strict=True)
-            except (msgspec.ValidationError, TypeError, ValueError, OverflowError):
-                fields[name] = None
-                self.stats.ignored_fields[f"{tag}.{name}"] += 1
+        for name in _foreign_positional(tag, fields):
+            fields[name] = None
+            self.stats.ignored_fields[f"{tag}.{name}"] += 1
 
     def _skip_unknown(self, tag: str) -> None:
         self.stats.skipped_events["unknown_tag"] += 1
         self.stats.unknown_tags[tag] += 1
+
+
+def _foreign_positional(tag: str, fields: dict[str, Any]) -> list[str]:
+    """Optional (non-core) fields of a positional event whose value does not fit the
+    vLLM field in that position (``None`` always fits)."""
+    core = _CORE_FIELDS[tag]
+    types = _FIELD_TYPES[tag]
+    foreign: list[str] = []
+    for name, value in fields.items():
+        if name in core or value is None:
+            continue
+        try:
+            msgspec.convert(value, types[name], strict=True)
+        except (msgspec.ValidationError, TypeError, ValueError, OverflowError):
+            foreign.append(name)
+    return foreign
 
 
 def _split_batch(raw: Any) -> tuple[float, list[Any], int | None]:
@@ -424,6 +433,8 @@ def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
             table = tables.get(e[0]) if e and isinstance(e[0], str) else None
             if table is not None:
                 first, last = table.get(len(e), (0, -1))
+                if _foreign_positional(e[0], dict(zip(_FIELDS[e[0]], e[1:]))):
+                    first, last = 0, -1  # a value no vLLM release wrote in that slot
                 lo, hi = max(lo, first), min(hi, last)
     if form in ("mixed",) or lo > hi or (lo, hi) == (0, 99):
         versions = ""

@@ -437,3 +437,16 @@ def test_array_event_with_a_mistyped_required_field_is_still_an_error() -> None:
     raw = [1.0, [["BlockStored", [1], None, [1], {"x": 1}, None, "GPU"]], 0]
     with pytest.raises(DecodeError, match="block_size"):
         decode_batch(enc(raw))
+
+
+def test_describe_payload_does_not_date_a_foreign_positional_event() -> None:
+    # An SGLang salted store has 8 elements like a vLLM 0.13-0.18 store, but its last
+    # element is a map, which no vLLM release wrote there: no vLLM version is claimed.
+    salted = _SglStoredWithMetadata([1], None, [1, 2], 2, None, "GPU", metadata=_SglMetadata("s"))
+    payload = msgspec.msgpack.encode(_SglBatch(1.0, [salted], 0))
+    assert describe_payload(payload).event_form == "array"
+    assert describe_payload(payload).vllm_versions == ""
+    plain = _SglStored([1], None, [1, 2], 2, None, "GPU")
+    assert describe_payload(msgspec.msgpack.encode(_SglBatch(1.0, [plain], 0))).vllm_versions == (
+        "0.11-0.15"
+    )
