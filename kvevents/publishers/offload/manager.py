@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -104,6 +105,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: collect :class:`OffloadingEvent` for :meth:`take_events`.
         store_threshold: with ``>= 2``, a key is stored only once it has been offered
             that many times (an access tracker of at most ``max_tracker_size`` keys).
+        info: free-form description of the tier, returned by :meth:`config_info`.
 
     Calls accept ``ctx=None``, which stands for one long-lived anonymous request.
     """
@@ -118,6 +120,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        info: Mapping[str, Any] | None = None,
     ) -> None:
         if num_chunks < 0:
             raise OffloadError("num_chunks must be >= 0")
@@ -130,6 +133,7 @@ class CPUOffloadingManager(OffloadingManager):
                 f"cache_policy must be a name or CachePolicy class: {cache_policy!r}"
             )
         self.num_chunks = num_chunks
+        self.info: dict[str, Any] = dict(info) if info is not None else {}
         self.policy: CachePolicy = policy_cls(num_chunks)
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self.store_threshold = store_threshold
@@ -148,6 +152,10 @@ class CPUOffloadingManager(OffloadingManager):
         self.stats = OffloadManagerStats()
 
     # --- introspection -----------------------------------------------------------------
+
+    def config_info(self) -> dict[str, Any]:
+        """The ``info`` given at construction (``{}`` if none)."""
+        return dict(self.info)
 
     @property
     def num_free_chunks(self) -> int:

@@ -445,3 +445,21 @@ def test_lru_request_rank_is_drawn_afresh_after_a_reset() -> None:
     m.complete_store(Ks(2), newcomer)
     m.complete_store(Ks(3), long_running)
     assert store(m, [4], ReqContext(req_id="next")) == ([0], [2])
+
+
+def test_constructor_takes_vllm_arguments_by_name() -> None:
+    # C§5.4: CPUOffloadingManager(num_chunks, cache_policy, cache_policy_module_path,
+    # enable_events, store_threshold, max_tracker_size, info).
+    info = {"tier": "cpu", "bytes": 1 << 20}
+    m = CPUOffloadingManager(
+        num_chunks=2,
+        cache_policy="arc",
+        cache_policy_module_path=None,
+        enable_events=True,
+        store_threshold=1,
+        max_tracker_size=10,
+        info=info,
+    )
+    assert m.info == info
+    assert m.config_info() == info
+    assert CPUOffloadingManager(2).config_info() == {}
