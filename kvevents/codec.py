@@ -494,18 +494,16 @@ def pack_replay_request(start_seq: int) -> list[bytes]:
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     """Parse a request as a ROUTER receives it: ``[identity, b"", start]``.
 
-    ``start`` is big-endian unsigned of any length (a 4-byte value works, as in vLLM).
-    Returns ``(identity, start_seq)``; any other layout raises :class:`FrameError`.
+    As in vLLM (C§2.2) only the frame count is checked: the middle (delimiter) frame is
+    not inspected, and ``start`` is big-endian unsigned of any length (a 4-byte value
+    works; an empty frame reads as 0).  Returns ``(identity, start_seq)``; any other
+    frame count raises :class:`FrameError`.
     """
     if len(frames) != 3:
         raise FrameError(
             f"replay request must have 3 frames [identity, b'', start], got {len(frames)}"
         )
-    identity, delimiter, start = frames
-    if delimiter:
-        raise FrameError("replay request is missing its empty delimiter frame")
-    if not start:
-        raise FrameError("replay request has an empty start frame")
+    identity, _delimiter, start = frames
     return bytes(identity), int.from_bytes(start, "big")
 
 
