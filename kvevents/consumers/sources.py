@@ -108,7 +108,8 @@ class Source(Protocol):
 
 
 def _binds(endpoint: str) -> bool:
-    return "*" in endpoint
+    """A wildcard address can only be bound: ``*``, ``0.0.0.0`` or ``[::]``."""
+    return "*" in endpoint or "//0.0.0.0:" in endpoint or "[::]" in endpoint
 
 
 def _enable_ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
@@ -120,8 +121,9 @@ def _enable_ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
 class ZmqSource:
     """A vLLM-compatible publisher: SUB on ``endpoint``, DEALER on ``replay_endpoint``.
 
-    The SUB connects (it binds only when the endpoint holds ``*``, for publishers that
-    connect out, C§2.1) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's
+    The SUB connects (it binds only to a wildcard address - ``*``, ``0.0.0.0``, ``[::]``
+    - for publishers that connect out, C§2.1; :attr:`bound_endpoint` then holds the bound
+    address) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's
     receive high-water mark in messages.  The DEALER is created on the first replay and
     closed (dropping replies in flight) by :meth:`cancel_replay`.
     """
@@ -149,9 +151,13 @@ class ZmqSource:
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         _enable_ipv6_if_needed(self._sub, endpoint)
+        self.bound_endpoint: str | None = None
+        """The address the SUB bound (the real port for ``:0``); None when it connects."""
         try:
             if _binds(endpoint):
                 self._sub.bind(endpoint)
+                last = self._sub.getsockopt(zmq.LAST_ENDPOINT)
+                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
             else:
                 self._sub.connect(endpoint)
         except zmq.ZMQError as exc:

@@ -187,3 +187,32 @@ def test_ipv6_publisher_is_followed_live_and_through_replay():
             assert live, "no live batch arrived over IPv6"
     finally:
         pub.shutdown()
+
+
+@pytest.mark.parametrize("wildcard", ["tcp://0.0.0.0:0", "tcp://*:0"])
+def test_wildcard_endpoint_binds_for_a_publisher_that_connects_out(wildcard):
+    """vLLM's PUB connects when its endpoint names a host (C§2.1), e.g. to a collector
+    bound on a wildcard address; a subscriber given a wildcard must bind, not connect."""
+    import time
+
+    from kvevents.events import BlockRemoved, KVEventBatch
+    from kvevents.publishers import ZmqEventPublisher
+
+    src = ZmqSource(wildcard)
+    try:
+        assert src.bound_endpoint is not None
+        port = src.bound_endpoint.rsplit(":", 1)[1]
+        with ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}") as pub:
+            assert not pub.binds
+            deadline = time.monotonic() + 10
+            got = []
+            n = 0
+            while not got:
+                assert time.monotonic() < deadline, "nothing arrived"
+                pub.publish(KVEventBatch(float(n), [BlockRemoved([n], "GPU")]))
+                n += 1
+                if src.sockets()[0].poll(20):
+                    got = src.receive(10)
+            assert got[0].kind == "live"
+    finally:
+        src.close()
