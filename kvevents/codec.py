@@ -69,6 +69,12 @@ _EVENT_CLASSES: dict[str, type[KVEvent]] = {
 _FIELDS: dict[str, tuple[str, ...]] = {
     name: cls.__struct_fields__ for name, cls in _EVENT_CLASSES.items()
 }
+# The fields vLLM ever wrote in positional (array) events, <= 0.23.
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": _FIELDS["BlockStored"][:11],
+    "BlockRemoved": _FIELDS["BlockRemoved"][:3],
+    "AllBlocksCleared": (),
+}
 # Required in vLLM 0.33 but absent from older producers: read as None (C§1.3).
 _TOLERATED_MISSING = ("lora_id", "medium", "lora_name")
 # Fields every producer has written in the same positions since vLLM 0.9 (and SGLang).
@@ -99,8 +105,10 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 # --- array-form twins: a typed fast path for vLLM <= 0.23 producers ---------------------
 # Everything after the fields that every version wrote (0.9) has a default, so any
-# element count from 0.9's up to a future one decodes; extra trailing elements are
-# ignored by msgspec.
+# element count from 0.9's on decodes.  The twins stop at the last field vLLM ever wrote
+# positionally (0.23: ``kv_cache_spec_sliding_window`` / ``group_idx``): later fields were
+# only ever sent as map keys, so elements past those are another producer's extensions
+# and are ignored (msgspec drops extra trailing elements), never read as ``locality``.
 
 
 class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
@@ -119,18 +127,12 @@ class _ArrayStored(_ArrayEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _ArrayRemoved(_ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
     group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
 
 
 class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared"):
@@ -157,13 +159,9 @@ def _from_array_twin(ev: _ArrayEvent) -> KVEvent:
             ev.group_idx,
             ev.kv_cache_spec_kind,
             ev.kv_cache_spec_sliding_window,
-            ev.locality,
-            ev.ownership,
-            ev.session_id,
-            ev.lookahead_token_ids,
         )
     if isinstance(ev, _ArrayRemoved):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
     return AllBlocksCleared()
 
 
@@ -254,7 +252,7 @@ class BatchDecoder:
             if tag not in _EVENT_CLASSES:
                 self._skip_unknown(tag)
                 return None
-            fields = dict(zip(_FIELDS[tag], raw[1:]))
+            fields = dict(zip(_ARRAY_FIELDS[tag], raw[1:]))
             self._drop_foreign_positional(tag, fields)
         elif isinstance(raw, dict):
             raw_tag = raw.get("type")
@@ -433,7 +431,7 @@ def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
             table = tables.get(e[0]) if e and isinstance(e[0], str) else None
             if table is not None:
                 first, last = table.get(len(e), (0, -1))
-                if _foreign_positional(e[0], dict(zip(_FIELDS[e[0]], e[1:]))):
+                if _foreign_positional(e[0], dict(zip(_ARRAY_FIELDS[e[0]], e[1:]))):
                     first, last = 0, -1  # a value no vLLM release wrote in that slot
                 lo, hi = max(lo, first), min(hi, last)
     if form in ("mixed",) or lo > hi or (lo, hi) == (0, 99):
