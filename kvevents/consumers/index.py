@@ -328,6 +328,17 @@ class _Layout:
     """``1 << slot``, precomputed."""
     worker_align: dict[WorkerId, int]
     """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
+    nslots: int = 0
+    """One more than the highest scoring slot."""
+    pos_wids: list[WorkerId | None] = field(default_factory=list)
+    """Indexed by ``slot + 1`` (a slot bit's ``bit_length()``): the slot's worker if the
+    slot is that worker's only scoring slot, else None; ``nslots + 1`` entries."""
+    pos_bits: list[int] = field(default_factory=list)
+    """Indexed by ``slot + 1``: ``1 << slot`` (entry 0 is 0)."""
+    simple_mask: int = 0
+    """Scoring slots whose worker has no other scoring slot."""
+    multi_workers: tuple[WorkerId, ...] = ()
+    """Workers with several scoring slots (hybrid models), resolved per worker."""
 
 
 def _bpc_lookup(config: int | Mapping[Any, int] | None, wid: WorkerId) -> int:
@@ -1073,6 +1084,13 @@ class BlockIndex:
                 slot_chunk[slot] = size * w.bpc
                 v = u * w.bpc
                 chunk[v] = chunk.get(v, 0) | gs.bit
+        nslots = max(slot_worker, default=-1) + 1
+        pos_wids: list[WorkerId | None] = [None] * (nslots + 1)
+        simple_mask = 0
+        for wid, slots in worker_slots.items():
+            if len(slots) == 1:
+                pos_wids[slots[0] + 1] = wid
+                simple_mask |= 1 << slots[0]
         self._layout = _Layout(
             canonical=unit,
             gpu_classes=sorted(gpu.items()),
@@ -1087,6 +1105,11 @@ class BlockIndex:
             worker_align={
                 k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
             },
+            nslots=nslots,
+            pos_wids=pos_wids,
+            pos_bits=[0] + [1 << s for s in range(nslots)],
+            simple_mask=simple_mask,
+            multi_workers=tuple(sorted(k for k, v in worker_slots.items() if len(v) > 1)),
         )
         return self._layout
 
