@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, islice, repeat
+from itertools import chain, compress, islice, repeat
 from operator import sub
 from typing import NamedTuple
 
@@ -97,6 +97,8 @@ class Router:
         if not lay.gpu_classes or len(tokens) < unit:
             return {}
         keys = prompt_keys(tokens, unit, lora_name)
+        if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1 and not lay.multi_workers:
+            return _uniform_matches(keys, lay, index)
         # Results per slot, in tokens, for the slots of single-slot workers ("simple"
         # slots, usually all of them); workers with several scoring groups are resolved
         # per worker from their slots' run ends.  Each walk reports its hits as runs
@@ -192,6 +194,138 @@ class Router:
 
 
 _tuple_new = tuple.__new__
+
+
+def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[WorkerId, Match]:
+    """find_matches for the usual fleet: one engine block size, at most one chunk size,
+    one scoring group per worker.  The same rules as the general path, with each walk
+    fused with the recording of its runs."""
+    unit = lay.canonical
+    (u, gmask), *_ = lay.gpu_classes
+    v, cmask = lay.chunk_classes[0] if lay.chunk_classes else (0, 0)
+    pos_bits = lay.pos_bits
+    gpu_end = [0] * (lay.nslots + 1)  # tokens, indexed by slot + 1
+    get = index.marks(0).get
+    ks = keys[u - 1 :: u]
+    first_hit = alive = gmask & get(ks[0], 0) if ks else 0
+    starts: dict[int, int] = {}  # unit position -> slots whose CPU walk starts there
+    aligned = 0  # slots whose GPU end is a whole number of chunks
+    part = bool(gmask & ~cmask)  # some slots have no chunk size (yet)
+    first = v  # the chunk boundary after the current run end
+    pend = 0  # slots whose CPU walk starts at ``first``
+    e = u
+    # the None sentinel misses for everyone: survivors end at the last whole block
+    for k in chain(islice(ks, 1, None), (None,)) if alive else ():
+        now = alive & get(k, 0)
+        if now != alive:
+            b = alive ^ now  # these slots' run of hits ends at e
+            alive = now
+            if v:
+                cb = b & cmask if part else b
+                if e >= first:
+                    if pend:
+                        starts[first] = pend
+                        pend = 0
+                    first = (e // v + 1) * v
+                pend |= cb
+                if e == first - v:
+                    aligned |= cb
+            tokens = e * unit
+            while b:  # one slot per bit, highest first
+                p = b.bit_length()
+                gpu_end[p] = tokens
+                b ^= pos_bits[p]
+            if not now:
+                break
+        e += u
+    if pend:
+        starts[first] = pend
+    if not v:
+        return _assemble(lay, gpu_end, None, None, {})
+    ends: list[list[int] | None] = [gpu_end, None, None]
+    base = gpu_end
+    # slots with a GPU hit start their CPU walk late; the others at the first chunk
+    late = first_hit & cmask
+    want_next = bool(index.marks(2))
+    for tier in (1, 2):
+        marks = index.marks(tier)
+        if not marks:
+            continue
+        end = base.copy()
+        credited, nxt = _uniform_chunk_walk(
+            keys[v - 1 :: v], marks, v, unit, cmask & ~late, starts, aligned, end, pos_bits,
+            want_next and tier == 1,
+        )  # fmt: skip
+        ends[tier] = base = end
+        if tier == 1 and want_next:
+            # STORAGE starts after the CPU hit, or where the CPU walk started
+            for f, bits in starts.items():
+                rest = bits & ~credited
+                if rest:
+                    nxt[f] = nxt.get(f, 0) | rest
+            starts = nxt
+            late = sum(nxt.values())  # disjoint slot sets: the sum is the union
+            aligned |= credited
+    return _assemble(lay, gpu_end, ends[1], ends[2], {})
+
+
+def _uniform_chunk_walk(
+    ks: list[int],
+    marks: Mapping[int, int],
+    v: int,
+    unit: int,
+    alive: int,
+    starts: dict[int, int],
+    aligned: int,
+    end: list[int],
+    pos_bits: list[int],
+    want_next: bool,
+) -> tuple[int, dict[int, int]]:
+    """One chunk tier of :func:`_uniform_matches` over the chunk keys ``ks``.
+
+    Slots in ``alive`` start at the first chunk, those in ``starts[j]`` at unit ``j``.
+    A slot is credited when its run adds a whole chunk beyond its base: it started at
+    the first chunk, or its base is chunk-aligned (``aligned``), or its run goes past
+    the chunk where it started.  Credited slots get ``end[slot + 1]`` (tokens).  Returns
+    the credited slots and, with ``want_next``, where they start the next tier.
+    """
+    get = marks.get
+    sget = starts.get
+    last_start = max(starts, default=0)
+    credited = 0
+    nxt: dict[int, int] = {}
+    j = 0
+    for k in chain(ks, (None,)):
+        j += v
+        new = sget(j, 0)
+        if new:
+            alive |= new
+        elif not alive:
+            if j >= last_start:
+                break
+            continue
+        if j == v:
+            new = alive  # the first chunk: nobody has a hit yet
+        now = alive & get(k, 0)  # type: ignore[arg-type]
+        if now != alive:
+            b = alive ^ now
+            alive = now
+            if new:
+                b &= ~new  # joined here and missed at once: no hit
+            e = j - v
+            st = sget(e)
+            if st:
+                b &= ~(st & ~aligned)  # started at e with an unaligned base: < 1 chunk
+            if b:
+                credited |= b
+                if want_next:
+                    nxt[j] = b
+                tokens = e * unit
+                while b:
+                    p = b.bit_length()
+                    end[p] = tokens
+                    b ^= pos_bits[p]
+    return credited, nxt
 
 
 def _gpu_runs(
