@@ -216,7 +216,7 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
     e = u
     # the None sentinel misses for everyone: survivors end at the last whole block
     for k in chain(islice(ks, 1, None), (None,)) if alive else ():
-        now = alive & get(k, 0)
+        now = alive & get(k, 0)  # type: ignore[arg-type]
         if now != alive:
             b = alive ^ now  # these slots' run of hits ends at e
             alive = now
