@@ -98,6 +98,7 @@ _OFF = 1 << 63
 _M65 = (1 << 65) - 1
 _GSHIFT = 170
 _G1 = 1 << _GSHIFT
+_G2 = 2 << _GSHIFT
 
 
 def _pack(
@@ -413,12 +414,66 @@ class BlockIndex:
 
     def apply(self, source: str, dp_rank: int, batch: KVEventBatch) -> None:
         """Apply every event of ``batch`` from worker ``(source, dp_rank)`` in order."""
-        self.stats.batches += 1
+        stats = self.stats
+        stats.batches += 1
         w = self._workers.get((source, dp_rank))
         if w is None:
             w = self._worker((source, dp_rank))
-        for ev in batch.events:
-            self._apply(w, ev)
+        # The dominant shape, a GPU BlockRemoved of one hash whose record is a packed int
+        # (vLLM sends one event per freed block), is applied inline: the same steps as
+        # _apply -> _remove, without the calls.  Everything else goes through _apply.
+        groups = w.groups
+        wid = w.wid
+        gpu_marks = self._marks[0]
+        retired = self._retired
+        applied = 0
+        block_events = 0
+        gpu_removed = 0  # not yet added to stats.removed["GPU"]
+        try:
+            for ev in batch.events:
+                if type(ev) is BlockRemoved:
+                    hashes = ev.block_hashes
+                    medium = ev.medium
+                    if len(hashes) == 1 and (medium == "GPU" or medium is None):
+                        group = ev.group_idx or 0
+                        gs = groups.get(group)
+                        if gs is not None:
+                            h = hashes[0]
+                            meta = gs.meta
+                            m = meta.get(h)
+                            if type(m) is int and m >= _G1:
+                                applied += 1
+                                block_events += 1
+                                gpu_removed += 1
+                                meta[h] = m - _G1
+                                if m >= _G2:
+                                    continue  # still held by another store
+                                if m & _HAS_CK:
+                                    ck = (m & _M64) - _OFF
+                                    v = gpu_marks.get(ck)
+                                    if v is not None:
+                                        v &= ~gs.bit
+                                        if v:
+                                            gpu_marks[ck] = v
+                                        else:
+                                            del gpu_marks[ck]
+                                r = gs.refs
+                                if h in r[1] or h in r[2]:
+                                    continue
+                                self._resident -= 1
+                                retired[(wid, group, h)] = None
+                                if len(retired) > self.gpu_metadata_retention:
+                                    self._trim_retired()
+                                continue
+                if gpu_removed:
+                    stats.removed[MEDIUM_GPU] += gpu_removed
+                    gpu_removed = 0
+                self._apply(w, ev)
+        finally:
+            if gpu_removed:
+                stats.removed[MEDIUM_GPU] += gpu_removed
+            stats.applied += applied
+            stats.block_events += block_events
 
     def apply_event(self, worker: WorkerId, event: KVEvent) -> None:
         """Apply one event from ``worker``."""
@@ -598,7 +653,59 @@ class BlockIndex:
                 pk, pend = _ck(pm), _end_tokens(pm)
         t = tuple(toks) if index_keys or self.keep_token_ids else ()
         pending = self._pending
-        for i in range(n):
+        first = 0
+        if (
+            tier == 0
+            and index_keys
+            and lora is None
+            and extras is None
+            and not self.keep_token_ids
+            and not pending
+            and size <= _M20
+            and (parent is None or (type(parent) is int and 0 <= parent <= _M64))
+        ):
+            # Fast path for the usual GPU store: new records packed inline and
+            # refcounted as _ref would (a hash with no record has no residency and no
+            # retirement entry: both always go with a record).  Stops at the first block
+            # that needs the general path below.
+            units = size // unit
+            chunks = list(zip(*[iter(t[off:] if off else t)] * unit))
+            marks = self._marks[0]
+            r1, r2 = gs.refs[1], gs.refs[2]
+            bit = gs.bit
+            size_bits = size << 85
+            for h in hashes:
+                if type(h) is not int or not 0 <= h <= _M64 or h in meta:
+                    break
+                end = pend + size if pend is not None else None
+                if end is not None and end // size >= _M20:
+                    break
+                if pk is not None:
+                    k = pk
+                    for c in chunks[first * units : (first + 1) * units]:
+                        k = hash((k, c))
+                    ck = k
+                    v = size_bits | (k + _OFF) | _HAS_CK
+                else:
+                    ck = None
+                    stats.skipped["unknown_parent"] += 1
+                    v = size_bits
+                if end is not None:
+                    v |= (end // size + 1) << 65
+                if parent is not None:
+                    v |= (parent + 1) << 105
+                meta[h] = v + _G1  # the record with its GPU refcount at 1
+                if ck is not None:
+                    mv = marks.get(ck)
+                    marks[ck] = bit if mv is None else mv | bit
+                if h not in r1 and h not in r2:
+                    self._resident += 1
+                    if self._resident > self.max_blocks:
+                        self._evict()
+                pk, pend = ck, end
+                parent = h
+                first += 1
+        for i in range(first, n):
             h = hashes[i]
             m = meta.get(h)
             ck = _ck(m) if m is not None else None
