@@ -81,6 +81,7 @@ Hash = Union[int, bytes]
 TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
 _TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
+_PLACEHOLDER_TIER: dict[str, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
 #   bits 0-63 content key + 2**63, bit 64 "has a content key",
@@ -465,6 +466,51 @@ class BlockIndex:
                                 if len(retired) > self.gpu_metadata_retention:
                                     self._trim_retired()
                                 continue
+                elif type(ev) is BlockStored and w.bpc_fixed:
+                    # a one-hash CPU/STORAGE placeholder whose GPU record is here: the
+                    # join of _store_placeholder and _ref, inline
+                    hashes = ev.block_hashes
+                    tier = _PLACEHOLDER_TIER.get(ev.medium, 0)  # type: ignore[arg-type]
+                    if (
+                        tier
+                        and len(hashes) == 1
+                        and not (ev.block_size > 0 and ev.token_ids)
+                        and type(hashes[0]) is int
+                    ):
+                        group = ev.group_idx or 0
+                        gs = groups.get(group)
+                        if gs is not None and (
+                            ev.kv_cache_spec_kind is None or gs.kind is not None
+                        ):
+                            h = hashes[0]
+                            m = gs.meta.get(h)
+                            if type(m) is int:
+                                if gpu_removed:
+                                    stats.removed[MEDIUM_GPU] += gpu_removed
+                                    gpu_removed = 0
+                                applied += 1
+                                block_events += 1
+                                stats.stored[TIERS[tier]] += 1
+                                stats.joined += 1
+                                r = gs.refs
+                                refs = r[tier]
+                                c = refs.get(h, 0)
+                                refs[h] = c + 1
+                                if c:
+                                    continue
+                                if m & _HAS_CK:
+                                    marks = self._marks[tier]
+                                    ck = (m & _M64) - _OFF
+                                    v = marks.get(ck)
+                                    marks[ck] = gs.bit if v is None else v | gs.bit
+                                if m >= _G1 or h in r[3 - tier]:
+                                    continue
+                                self._resident += 1
+                                if retired:
+                                    retired.pop((wid, group, h), None)
+                                if self._resident > self.max_blocks:
+                                    self._evict()
+                                continue
                 if gpu_removed:
                     stats.removed[MEDIUM_GPU] += gpu_removed
                     gpu_removed = 0
@@ -651,7 +697,6 @@ class BlockIndex:
                 pk = pend = None
             else:
                 pk, pend = _ck(pm), _end_tokens(pm)
-        t = tuple(toks) if index_keys or self.keep_token_ids else ()
         pending = self._pending
         first = 0
         if (
@@ -663,48 +708,60 @@ class BlockIndex:
             and not pending
             and size <= _M20
             and (parent is None or (type(parent) is int and 0 <= parent <= _M64))
+            and (pend is None or pend // size + n < _M20)
         ):
-            # Fast path for the usual GPU store: new records packed inline and
-            # refcounted as _ref would (a hash with no record has no residency and no
-            # retirement entry: both always go with a record).  Stops at the first block
-            # that needs the general path below.
-            units = size // unit
-            chunks = list(zip(*[iter(t[off:] if off else t)] * unit))
+            # Fast path for the usual GPU store: new records packed inline (the fields
+            # of _pack added up) and refcounted as _ref would (a hash with no record has
+            # no residency and no retirement entry: both always go with a record).  It
+            # stops at the first block that needs the general path below.
+            q = size // unit
+            # the blocks' canonical units as tuples, in order
+            it = zip(*[iter(toks[off:] if off else toks)] * unit)
             marks = self._marks[0]
             r1, r2 = gs.refs[1], gs.refs[2]
             bit = gs.bit
-            size_bits = size << 85
-            for h in hashes:
-                if type(h) is not int or not 0 <= h <= _M64 or h in meta:
-                    break
-                end = pend + size if pend is not None else None
-                if end is not None and end // size >= _M20:
-                    break
-                if pk is not None:
-                    k = pk
-                    for c in chunks[first * units : (first + 1) * units]:
-                        k = hash((k, c))
-                    ck = k
-                    v = size_bits | (k + _OFF) | _HAS_CK
-                else:
-                    ck = None
-                    stats.skipped["unknown_parent"] += 1
-                    v = size_bits
-                if end is not None:
-                    v |= (end // size + 1) << 65
-                if parent is not None:
-                    v |= (parent + 1) << 105
-                meta[h] = v + _G1  # the record with its GPU refcount at 1
-                if ck is not None:
-                    mv = marks.get(ck)
-                    marks[ck] = bit if mv is None else mv | bit
-                if h not in r1 and h not in r2:
-                    self._resident += 1
-                    if self._resident > self.max_blocks:
-                        self._evict()
-                pk, pend = ck, end
-                parent = h
-                first += 1
+            fixed = (size << 85) + _G1  # block size and a GPU refcount of 1
+            step = 1 << 65
+            end_field = ((pend // size + 1) << 65) if pend is not None else 0
+            parent_field = ((parent + 1) << 105) if parent is not None else 0
+            resident = self._resident
+            try:
+                for h in hashes:
+                    if type(h) is not int or not 0 <= h <= _M64 or h in meta:
+                        break
+                    if pk is not None:
+                        k = pk
+                        for _ in range(q):
+                            k = hash((k, next(it)))
+                        v = fixed + (k + _OFF) + _HAS_CK
+                    else:
+                        for _ in range(q):
+                            next(it)
+                        k = None
+                        stats.skipped["unknown_parent"] += 1
+                        v = fixed
+                    if end_field:
+                        end_field += step
+                        v += end_field
+                    meta[h] = v + parent_field
+                    if k is not None:
+                        mv = marks.get(k)
+                        marks[k] = bit if mv is None else mv | bit
+                    if h not in r1 and h not in r2:
+                        resident += 1
+                        if resident > self.max_blocks:
+                            self._resident = resident
+                            self._evict()
+                            resident = self._resident
+                    pk = k
+                    parent_field = (h + 1) << 105
+                    parent = h
+                    first += 1
+            finally:
+                self._resident = resident
+            if first:
+                pend = None if pend is None else pend + first * size
+        t = tuple(toks) if index_keys or self.keep_token_ids else ()
         for i in range(first, n):
             h = hashes[i]
             m = meta.get(h)
