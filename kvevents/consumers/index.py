@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from kvevents.consumers.content import extra_key, root_key
+from kvevents.consumers.content import ROOT_KEY, extra_key, root_key
 from kvevents.errors import ConfigError
 from kvevents.events import (
     MEDIUM_CPU,
@@ -453,11 +453,14 @@ class BlockIndex:
                                     ck = (m & _M64) - _OFF
                                     v = gpu_marks.get(ck)
                                     if v is not None:
-                                        v &= ~gs.bit
-                                        if v:
-                                            gpu_marks[ck] = v
-                                        else:
+                                        if v == gs.bit:  # the only holder
                                             del gpu_marks[ck]
+                                        else:
+                                            v &= ~gs.bit
+                                            if v:
+                                                gpu_marks[ck] = v
+                                            else:
+                                                del gpu_marks[ck]
                                 r = gs.refs
                                 if h in r[1] or h in r[2]:
                                     continue
@@ -466,6 +469,14 @@ class BlockIndex:
                                 if len(retired) > self.gpu_metadata_retention:
                                     self._trim_retired()
                                 continue
+                elif type(ev) is BlockStored and ev.medium == "GPU":
+                    if gpu_removed:
+                        stats.removed[MEDIUM_GPU] += gpu_removed
+                        gpu_removed = 0
+                    applied += 1
+                    block_events += len(ev.block_hashes)
+                    self._store_described(w, ev, 0)
+                    continue
                 elif type(ev) is BlockStored and w.bpc_fixed:
                     # a one-hash CPU/STORAGE placeholder whose GPU record is here: the
                     # join of _store_placeholder and _ref, inline
@@ -690,7 +701,7 @@ class BlockIndex:
         pk: int | None
         pend: int | None
         if parent is None:
-            pk, pend = root_key(lora), 0
+            pk, pend = (ROOT_KEY if lora is None else root_key(lora)), 0
         else:
             pm = meta.get(parent)
             if pm is None:
@@ -721,6 +732,7 @@ class BlockIndex:
             r1, r2 = gs.refs[1], gs.refs[2]
             bit = gs.bit
             fixed = (size << 85) + _G1  # block size and a GPU refcount of 1
+            keyed = fixed + _HAS_CK + _OFF  # plus the key flag and offset
             step = 1 << 65
             end_field = ((pend // size + 1) << 65) if pend is not None else 0
             parent_field = ((parent + 1) << 105) if parent is not None else 0
@@ -733,7 +745,7 @@ class BlockIndex:
                         k = pk
                         for _ in range(q):
                             k = hash((k, next(it)))
-                        v = fixed + (k + _OFF) + _HAS_CK
+                        v = keyed + k
                     else:
                         for _ in range(q):
                             next(it)
@@ -742,8 +754,9 @@ class BlockIndex:
                         v = fixed
                     if end_field:
                         end_field += step
-                        v += end_field
-                    meta[h] = v + parent_field
+                        meta[h] = v + end_field + parent_field
+                    else:
+                        meta[h] = v + parent_field
                     if k is not None:
                         mv = marks.get(k)
                         marks[k] = bit if mv is None else mv | bit
@@ -1005,6 +1018,26 @@ class BlockIndex:
                     continue
                 del refs[h]
                 m = meta.get(h)
+                if type(m) is int:  # the packed record, inline
+                    elsewhere = m >= _G1 or h in r[3 - tier]
+                    if m & _HAS_CK:
+                        ck = (m & _M64) - _OFF
+                        v = marks.get(ck)
+                        if v is not None:
+                            if v == bit:  # the only holder
+                                del marks[ck]
+                            else:
+                                v &= ~bit
+                                if v:
+                                    marks[ck] = v
+                                else:
+                                    del marks[ck]
+                    if not elsewhere:
+                        self._resident -= 1
+                        retired[(wid, group, h)] = None
+                        if len(retired) > self.gpu_metadata_retention:
+                            self._trim_retired()
+                    continue
                 elsewhere = (m is not None and _gpu(m) > 0) or h in r[3 - tier]
             if m is not None:
                 ck = _ck(m)
