@@ -1040,15 +1040,15 @@ class BlockIndex:
                     continue
                 elsewhere = (m is not None and _gpu(m) > 0) or h in r[3 - tier]
             if m is not None:
-                ck = _ck(m)
-                if ck is not None:
-                    v = marks.get(ck)
+                mck = _ck(m)
+                if mck is not None:
+                    v = marks.get(mck)
                     if v is not None:
                         v &= ~bit
                         if v:
-                            marks[ck] = v
+                            marks[mck] = v
                         else:
-                            del marks[ck]
+                            del marks[mck]
             if not elsewhere:
                 self._resident -= 1
                 retired[(wid, group, h)] = None
