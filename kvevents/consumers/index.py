@@ -737,32 +737,41 @@ class BlockIndex:
             end_field = ((pend // size + 1) << 65) if pend is not None else 0
             parent_field = ((parent + 1) << 105) if parent is not None else 0
             resident = self._resident
+            max_blocks = self.max_blocks
+            setdefault = meta.setdefault
             try:
                 for h in hashes:
-                    if type(h) is not int or not 0 <= h <= _M64 or h in meta:
+                    if type(h) is not int or not 0 <= h <= _M64:
                         break
                     if pk is not None:
-                        k = pk
-                        for _ in range(q):
-                            k = hash((k, next(it)))
+                        if q == 1:
+                            k = hash((pk, next(it)))
+                        else:
+                            k = pk
+                            for _ in range(q):
+                                k = hash((k, next(it)))
                         v = keyed + k
                     else:
                         for _ in range(q):
                             next(it)
                         k = None
-                        stats.skipped["unknown_parent"] += 1
                         v = fixed
                     if end_field:
+                        v += end_field + step
+                    v += parent_field
+                    # insert only if new (a fresh int is never the stored object)
+                    if setdefault(h, v) is not v:
+                        break  # the hash has a record: the general path takes over
+                    if end_field:
                         end_field += step
-                        meta[h] = v + end_field + parent_field
-                    else:
-                        meta[h] = v + parent_field
                     if k is not None:
                         mv = marks.get(k)
                         marks[k] = bit if mv is None else mv | bit
+                    else:
+                        stats.skipped["unknown_parent"] += 1
                     if h not in r1 and h not in r2:
                         resident += 1
-                        if resident > self.max_blocks:
+                        if resident > max_blocks:
                             self._resident = resident
                             self._evict()
                             resident = self._resident
