@@ -110,13 +110,17 @@ class Router:
         runs = _walk(keys, index.marks(0), lay.gpu_classes, lay.gpu_mask, {})
         starts: dict[int, int] = {}
         aligned = _gpu_runs(runs, lay, gpu_end, slot_end, starts)
+        hit = 0
+        for _, bits in runs:
+            hit |= bits
+        hit &= lay.simple_mask
         multi: dict[WorkerId, list[int]] = {}
         for wid in lay.multi_workers:
             low = min(slot_end.get(s, 0) for s in lay.worker_slots[wid]) * unit
             align = lay.worker_align[wid]
             multi[wid] = [low // align * align, 0, 0]
         if not lay.chunk_classes:
-            return _assemble(lay, gpu_end, None, None, multi)
+            return _assemble(lay, gpu_end, None, None, multi, hit)
         tier_ends: list[list[int] | None] = [gpu_end, None, None]
         base_end = gpu_end
         for tier in (1, 2):
@@ -129,6 +133,7 @@ class Router:
             end = base_end.copy()
             slot_end = {}
             credited = _chunk_runs(runs, lay, starts, aligned, end, slot_end)
+            hit |= credited
             tier_ends[tier] = base_end = end
             if multi:
                 _multi_chunk(lay, multi, slot_end, tier)
@@ -148,7 +153,7 @@ class Router:
                                 nxt[e + v] = nxt.get(e + v, 0) | b
                 starts = nxt
                 aligned |= credited
-        return _assemble(lay, gpu_end, tier_ends[1], tier_ends[2], multi)
+        return _assemble(lay, gpu_end, tier_ends[1], tier_ends[2], multi, hit)
 
     # ---------------------------------------------------------------- choosing
 
@@ -241,12 +246,13 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
     if pend:
         starts[first] = pend
     if not v:
-        return _assemble(lay, gpu_end, None, None, {})
+        return _assemble(lay, gpu_end, None, None, {}, first_hit)
     ends: list[list[int] | None] = [gpu_end, None, None]
     base = gpu_end
     # slots with a GPU hit start their CPU walk late; the others at the first chunk
     late = first_hit & cmask
     want_next = bool(index.marks(2))
+    hit = first_hit
     for tier in (1, 2):
         marks = index.marks(tier)
         if not marks:
@@ -257,6 +263,7 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
             want_next and tier == 1,
         )  # fmt: skip
         ends[tier] = base = end
+        hit |= credited
         if tier == 1 and want_next:
             # STORAGE starts after the CPU hit, or where the CPU walk started
             for f, bits in starts.items():
@@ -266,7 +273,7 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
             starts = nxt
             late = sum(nxt.values())  # disjoint slot sets: the sum is the union
             aligned |= credited
-    return _assemble(lay, gpu_end, ends[1], ends[2], {})
+    return _assemble(lay, gpu_end, ends[1], ends[2], {}, hit)
 
 
 def _uniform_chunk_walk(
@@ -483,22 +490,47 @@ def _assemble(
     cpu_end: list[int] | None,
     storage_end: list[int] | None,
     multi: dict[WorkerId, list[int]],
+    hit: int = -1,
 ) -> dict[WorkerId, Match]:
-    """The answer: per worker with a non-zero total, its Match (built in C loops)."""
-    last = gpu_end
-    if cpu_end is None:
-        cpu: Iterable[int] = repeat(0)
+    """The answer: per worker with a non-zero total, its Match.
+
+    ``hit`` (when known) covers every simple slot with a non-zero end: few of them are
+    visited bit by bit, many are assembled by C loops over every position.
+    """
+    out: dict[WorkerId, Match]
+    if hit >= 0 and hit.bit_count() * 8 < lay.nslots:
+        c_end = gpu_end if cpu_end is None else cpu_end
+        s_end = c_end if storage_end is None else storage_end
+        pos_bits = lay.pos_bits
+        found = []
+        while hit:
+            p = hit.bit_length()
+            found.append(p)
+            hit ^= pos_bits[p]
+        out = {}
+        pos_wids = lay.pos_wids
+        for p in reversed(found):  # in slot order, as the C loops give them
+            total = s_end[p]
+            wid = pos_wids[p]
+            if total and wid is not None:
+                g = gpu_end[p]
+                c = c_end[p]
+                out[wid] = Match(g, c - g, total - c)
     else:
-        cpu = map(sub, cpu_end, gpu_end)
-        last = cpu_end
-    if storage_end is None:
-        storage: Iterable[int] = repeat(0)
-    else:
-        storage = map(sub, storage_end, last)
-        last = storage_end
-    matches = map(_tuple_new, repeat(Match), zip(gpu_end, cpu, storage))
-    # positions without a simple worker (None) have all-zero ends and are dropped
-    out: dict[WorkerId, Match] = dict(compress(zip(lay.pos_wids, matches), last))  # type: ignore[arg-type]
+        last = gpu_end
+        if cpu_end is None:
+            cpu: Iterable[int] = repeat(0)
+        else:
+            cpu = map(sub, cpu_end, gpu_end)
+            last = cpu_end
+        if storage_end is None:
+            storage: Iterable[int] = repeat(0)
+        else:
+            storage = map(sub, storage_end, last)
+            last = storage_end
+        matches = map(_tuple_new, repeat(Match), zip(gpu_end, cpu, storage))
+        # positions without a simple worker (None) have all-zero ends and are dropped
+        out = dict(compress(zip(lay.pos_wids, matches), last))  # type: ignore[arg-type]
     for wid, (g, c, st) in multi.items():
         if g or c or st:
             out[wid] = Match(g, c, st)
