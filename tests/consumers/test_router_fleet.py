@@ -9,6 +9,7 @@ one chunk size) take the router's fused path; mixed and hybrid fleets the genera
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 from hypothesis import given, settings
@@ -33,13 +34,28 @@ TIERS = ("GPU", "CPU", "STORAGE")
 Held = dict[tuple[int, str], set[tuple[int, ...]]]
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    groups: list[int]
+    """Block size per KV-cache group."""
+    bpc: int
+    """Blocks per chunk (0: never configured, never offloads)."""
+    seq: int
+    blocks: int
+    """Tokens stored on GPU, in 32-token steps."""
+    gpu_holes: set[int]
+    gpu_drop_from: int
+    chunks: dict[str, set[int]]
+    """CPU/STORAGE chunk indices offloaded."""
+
+
 @cache
-def block_hashes(seq: int, size: int) -> list[int]:
+def block_hashes(seq: int, size: int) -> list[int | bytes]:
     return [to_wire_hash(d) for d in hash_request_blocks(SEQS[seq], size, algo="sha256_cbor")]
 
 
 @st.composite
-def fleets(draw: st.DrawFn) -> list[dict[str, object]]:
+def fleets(draw: st.DrawFn) -> list[WorkerSpec]:
     shape = draw(st.sampled_from(["uniform", "uniform", "mixed", "hybrid"]))
     n = draw(st.integers(1, 40))
     workers = []
@@ -50,36 +66,33 @@ def fleets(draw: st.DrawFn) -> list[dict[str, object]]:
             groups = [16, 32]
         else:
             groups = [draw(st.sampled_from([16, 32]))]
-        # bpc 0: never configured and never offloads (its chunk size stays unknown)
         bpc = 2 if shape == "uniform" else draw(st.sampled_from([1, 2]))
         if draw(st.integers(0, 9)) == 0:
             bpc = 0
         workers.append(
-            {
-                "groups": groups,
-                "bpc": bpc,
-                "seq": draw(st.integers(0, 3)),
-                "blocks": draw(st.integers(0, SEQ_LEN // 32)),  # in 32-token steps
-                "gpu_holes": draw(st.sets(st.integers(0, 15), max_size=3)),
-                "gpu_drop_from": draw(st.integers(0, 16)),
-                "chunks": {t: draw(st.sets(st.integers(0, 15), max_size=8)) for t in TIERS[1:]},
-            }
+            WorkerSpec(
+                groups=groups,
+                bpc=bpc,
+                seq=draw(st.integers(0, 3)),
+                blocks=draw(st.integers(0, SEQ_LEN // 32)),
+                gpu_holes=draw(st.sets(st.integers(0, 15), max_size=3)),
+                gpu_drop_from=draw(st.integers(0, 16)),
+                chunks={t: draw(st.sets(st.integers(0, 15), max_size=8)) for t in TIERS[1:]},
+            )
         )
     return workers
 
 
-def build(fleet: list[dict[str, object]], removed: set[int]) -> tuple[BlockIndex, dict[int, Held]]:
-    bpc_config = {("w", w): int(spec["bpc"]) for w, spec in enumerate(fleet)}  # type: ignore[call-overload]
-    index = BlockIndex(blocks_per_chunk=bpc_config)
+def build(fleet: list[WorkerSpec], removed: set[int]) -> tuple[BlockIndex, dict[int, Held]]:
+    index = BlockIndex(blocks_per_chunk={("w", w): spec.bpc for w, spec in enumerate(fleet)})
     model: dict[int, Held] = {}
     for w, spec in enumerate(fleet):
-        seq, bpc = int(spec["seq"]), int(spec["bpc"])  # type: ignore[call-overload]
-        tokens = SEQS[seq]
+        tokens = SEQS[spec.seq]
         held: Held = {}
         events: list[KVEvent] = []
-        for g, size in enumerate(spec["groups"]):  # type: ignore[arg-type]
-            hs = block_hashes(seq, size)
-            nb = int(spec["blocks"]) * 32 // size  # type: ignore[call-overload]
+        for g, size in enumerate(spec.groups):
+            hs = block_hashes(spec.seq, size)
+            nb = spec.blocks * 32 // size
             for t in TIERS:
                 held[(g, t)] = set()
             if not nb:
@@ -87,21 +100,20 @@ def build(fleet: list[dict[str, object]], removed: set[int]) -> tuple[BlockIndex
             events.append(BlockStored(hs[:nb], None, list(tokens[: nb * size]), size, None,
                                       "GPU", None, group_idx=g,
                                       kv_cache_spec_kind="full_attention"))  # fmt: skip
-            gone = {i for i in spec["gpu_holes"] if i < nb}  # type: ignore[attr-defined]
-            gone |= set(range(int(spec["gpu_drop_from"]), nb))  # type: ignore[call-overload]
+            gone = {i for i in spec.gpu_holes if i < nb} | set(range(spec.gpu_drop_from, nb))
             for i in range(nb):
                 if i in gone:
                     events.append(BlockRemoved([hs[i]], "GPU", group_idx=g))
                 else:
                     held[(g, "GPU")].add(tokens[: (i + 1) * size])
-            if not bpc:
+            if not spec.bpc:
                 continue
             for t in TIERS[1:]:
-                for c in sorted(spec["chunks"][t]):  # type: ignore[index]
-                    if (c + 1) * bpc <= nb:
-                        tail = hs[(c + 1) * bpc - 1]
+                for c in sorted(spec.chunks[t]):
+                    if (c + 1) * spec.bpc <= nb:
+                        tail = hs[(c + 1) * spec.bpc - 1]
                         events.append(BlockStored([tail], None, [], 0, None, t, None, group_idx=g))
-                        held[(g, t)].add(tokens[: (c + 1) * bpc * size])
+                        held[(g, t)].add(tokens[: (c + 1) * spec.bpc * size])
         index.apply("w", w, KVEventBatch(0.0, events))
         model[w] = held
     for w in removed:
@@ -110,13 +122,15 @@ def build(fleet: list[dict[str, object]], removed: set[int]) -> tuple[BlockIndex
     return index, model
 
 
-def expected(fleet: list[dict[str, object]], model: dict[int, Held], tokens: tuple[int, ...]
-             ) -> dict[tuple[str, int], Match]:  # fmt: skip
+def expected(
+    fleet: list[WorkerSpec], model: dict[int, Held], tokens: tuple[int, ...]
+) -> dict[tuple[str, int], Match]:
+    """DESIGN §4 worker by worker: GPU run per group, then whole chunks per tier."""
     out = {}
     n = len(tokens)
     for w, held in model.items():
-        sizes: list[int] = fleet[w]["groups"]  # type: ignore[assignment]
-        bpc = int(fleet[w]["bpc"])  # type: ignore[call-overload]
+        sizes = fleet[w].groups
+        bpc = fleet[w].bpc
         per_group = []
         for g, s in enumerate(sizes):
             m = 0
@@ -152,7 +166,7 @@ def expected(fleet: list[dict[str, object]], model: dict[int, Held], tokens: tup
 @settings(max_examples=120, deadline=None)
 @given(fleet=fleets(), data=st.data())
 def test_find_matches_agrees_with_a_per_worker_model(
-    fleet: list[dict[str, object]], data: st.DataObject
+    fleet: list[WorkerSpec], data: st.DataObject
 ) -> None:
     removed = data.draw(st.sets(st.integers(0, len(fleet) - 1), max_size=2))
     index, model = build(fleet, removed)
