@@ -781,6 +781,8 @@ class BlockIndex:
                     first += 1
             finally:
                 self._resident = resident
+            if first == n:
+                return  # (index_keys held: nothing to count as skipped)
             if first:
                 pend = None if pend is None else pend + first * size
         t = tuple(toks) if index_keys or self.keep_token_ids else ()
