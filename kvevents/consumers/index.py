@@ -326,8 +326,6 @@ class _Layout:
     slot_chunk: dict[int, int]
     """Chunk size in tokens, per slot (absent: unknown)."""
     worker_slots: dict[WorkerId, tuple[int, ...]]
-    slot_bit: dict[int, int]
-    """``1 << slot``, precomputed."""
     worker_align: dict[WorkerId, int]
     """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
     nslots: int = 0
@@ -427,6 +425,7 @@ class BlockIndex:
         wid = w.wid
         gpu_marks = self._marks[0]
         retired = self._retired
+        retention = self.gpu_metadata_retention
         applied = 0
         block_events = 0
         gpu_removed = 0  # not yet added to stats.removed["GPU"]
@@ -466,7 +465,7 @@ class BlockIndex:
                                     continue
                                 self._resident -= 1
                                 retired[(wid, group, h)] = None
-                                if len(retired) > self.gpu_metadata_retention:
+                                if len(retired) > retention:
                                     self._trim_retired()
                                 continue
                 elif type(ev) is BlockStored and ev.medium == "GPU":
@@ -1309,7 +1308,6 @@ class BlockIndex:
             slot_block=slot_block,
             slot_chunk=slot_chunk,
             worker_slots={k: tuple(v) for k, v in worker_slots.items()},
-            slot_bit={s: 1 << s for s in slot_worker},
             worker_align={
                 k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
             },
