@@ -434,7 +434,16 @@ class BlockIndex:
                 if type(ev) is BlockRemoved:
                     hashes = ev.block_hashes
                     medium = ev.medium
-                    if len(hashes) == 1 and (medium == "GPU" or medium is None):
+                    if medium == "CPU" or medium == "STORAGE":
+                        if ev.group_idx is not None:  # (not a legacy removal)
+                            if gpu_removed:
+                                stats.removed[MEDIUM_GPU] += gpu_removed
+                                gpu_removed = 0
+                            applied += 1
+                            block_events += len(hashes)
+                            self._remove(w, ev.group_idx, hashes, _TIER_OF[medium])
+                            continue
+                    elif len(hashes) == 1 and (medium == "GPU" or medium is None):
                         group = ev.group_idx or 0
                         gs = groups.get(group)
                         if gs is not None:
@@ -705,6 +714,10 @@ class BlockIndex:
             pm = meta.get(parent)
             if pm is None:
                 pk = pend = None
+            elif type(pm) is int:  # _ck and _end_tokens of a packed record, inline
+                pk = (pm & _M64) - _OFF if pm & _HAS_CK else None
+                e = (pm >> 65) & _M20
+                pend = (e - 1) * ((pm >> 85) & _M20) if e else None
             else:
                 pk, pend = _ck(pm), _end_tokens(pm)
         pending = self._pending
