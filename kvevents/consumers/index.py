@@ -80,8 +80,24 @@ Hash = Union[int, bytes]
 
 TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
-_TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
-_PLACEHOLDER_TIER: dict[str, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
+# Other spellings of the offload tiers seen on the wire: vLLM 0.26's "FS" / "OBJ" (before
+# STORAGE replaced them) and other producers' names for host memory and storage.
+_MEDIUM_ALIASES: dict[str, int] = {
+    "CPU_PINNED": 1,
+    "FS": 2,
+    "OBJ": 2,
+    "DISK": 2,
+    "EXTERNAL": 2,
+    "REMOTE": 2,
+}
+_TIER_OF: dict[str | None, int] = {
+    None: 0,
+    MEDIUM_GPU: 0,
+    MEDIUM_CPU: 1,
+    MEDIUM_STORAGE: 2,
+    **_MEDIUM_ALIASES,
+}
+_PLACEHOLDER_TIER: dict[str, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **_MEDIUM_ALIASES}
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
 #   bits 0-63 content key + 2**63, bit 64 "has a content key",

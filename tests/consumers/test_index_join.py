@@ -477,3 +477,18 @@ def test_hybrid_cpu_credit_checks_each_group_against_its_own_chunk() -> None:
     assert Router(index).find_matches(TOKENS) == {W: Match(0, 32, 0)}
     feed(index, BlockRemoved([g1[1]], "CPU", group_idx=1))
     assert Router(index).find_matches(TOKENS) == {}
+
+
+@pytest.mark.parametrize(
+    ("medium", "want"),
+    [("CPU_PINNED", Match(0, 64, 0)), ("FS", Match(0, 0, 64)), ("DISK", Match(0, 0, 64))],
+)
+def test_other_producers_tier_names_map_to_cpu_and_storage(medium: str, want: Match) -> None:
+    """vLLM 0.26's FS/OBJ and other producers' host/storage media are offload tiers too."""
+    index = BlockIndex()
+    feed(index, gpu_store(H, TOKENS, 16), placeholder(H[1], medium), placeholder(H[3], medium))
+    feed(index, *gpu_removed(H))
+    assert Router(index).find_matches(TOKENS) == {W: want}
+    assert index.stats.skipped["unknown_medium"] == 0
+    feed(index, BlockRemoved([H[1], H[3]], medium, group_idx=0))
+    assert Router(index).find_matches(TOKENS) == {}
