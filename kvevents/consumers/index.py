@@ -82,7 +82,7 @@ TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
 # Other spellings of the offload tiers seen on the wire: vLLM 0.26's "FS" / "OBJ" (before
 # STORAGE replaced them) and other producers' names for host memory and storage.
-_MEDIUM_ALIASES: dict[str, int] = {
+_MEDIUM_ALIASES: dict[str | None, int] = {
     "CPU_PINNED": 1,
     "FS": 2,
     "OBJ": 2,
@@ -97,7 +97,7 @@ _TIER_OF: dict[str | None, int] = {
     MEDIUM_STORAGE: 2,
     **_MEDIUM_ALIASES,
 }
-_PLACEHOLDER_TIER: dict[str, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **_MEDIUM_ALIASES}
+_PLACEHOLDER_TIER: dict[str | None, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **_MEDIUM_ALIASES}
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
 #   bits 0-63 content key + 2**63, bit 64 "has a content key",
@@ -505,7 +505,7 @@ class BlockIndex:
                     # a one-hash CPU/STORAGE placeholder whose GPU record is here: the
                     # join of _store_placeholder and _ref, inline
                     hashes = ev.block_hashes
-                    tier = _PLACEHOLDER_TIER.get(ev.medium, 0)  # type: ignore[arg-type]
+                    tier = _PLACEHOLDER_TIER.get(ev.medium, 0)
                     if (
                         tier
                         and len(hashes) == 1
