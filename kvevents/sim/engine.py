@@ -136,7 +136,6 @@ class EngineStats:
     cpu_hit_tokens: int = 0
     computed_tokens: int = 0
     chunks_offered: int = 0
-    chunks_loaded: int = 0
     load_mismatches: int = 0
     requests_rejected: Counter[str] = field(default_factory=Counter)
     admission_deferred: Counter[str] = field(default_factory=Counter)

@@ -99,7 +99,9 @@ class SimOffload:
         self.manager = off.CPUOffloadingManager(
             num_chunks, cache_policy=cache_policy, enable_events=True
         )
-        self.translator = off.OffloadEventTranslator()
+        self.translator = off.OffloadEventTranslator(
+            [off.OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
+        )
         self.stats = OffloadSimStats()
         self._pending: list[tuple[list[bytes], Any]] = []
         self._ctx: dict[str, Any] = {}
@@ -195,6 +197,7 @@ class SimOffload:
             n_chunks = min(upto, len(raw) * self.unit) // tpc
             for c in range(offered[g], n_chunks):
                 k = self.key(raw, g, c)
+                ctx.set_position(k, (c + 1) * tpc)
                 keys.append(k)
                 where[k] = (g, c)
             offered[g] = max(offered[g], n_chunks)
