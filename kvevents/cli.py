@@ -423,6 +423,11 @@ def _replay_publish(args: argparse.Namespace) -> int:
                     f"replaying {args.file}: {sent}/{len(records)} batches, {events} events, "
                     f"{events / elapsed:,.0f} events/s"
                 )
+            if args.hold > 0 and publishers and not stop.is_set():
+                status.done()
+                if not args.quiet:
+                    print(f"holding the replay buffers for {args.hold:g} s", file=sys.stderr)
+                stop.wait(args.hold)
     finally:
         status.done()
         for pub in publishers.values():
@@ -566,6 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         metavar="S",
         help="pause S seconds after binding each publisher so subscribers can connect",
+    )
+    p.add_argument(
+        "--hold",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the publishers (and their replay buffers) up S seconds after the last batch",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_replay)

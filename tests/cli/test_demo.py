@@ -1,0 +1,81 @@
+"""``kvevents demo``: the README's main command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvevents.consumers as consumers
+import kvevents.publishers as publishers
+from kvevents.cli import main
+from kvevents.sim.demo import DemoConfig, DemoReport, run_demo, waves
+from kvevents.sim.workload import WorkloadConfig, generate_workload
+
+rooms = pytest.mark.skipif(
+    not (
+        hasattr(consumers, "Subscriber")
+        and hasattr(consumers, "Router")
+        and hasattr(publishers, "ZmqEventPublisher")
+    ),
+    reason="the publisher, subscriber and index rooms have not all landed",
+)
+
+
+def test_waves_never_hold_two_turns_of_one_session() -> None:
+    reqs = generate_workload(WorkloadConfig(num_requests=100, seed=1))
+    ws = waves(reqs, 8)
+    assert [r for w in ws for r in w] == reqs
+    for w in ws:
+        assert 1 <= len(w) <= 8
+        assert len({r.session for r in w}) == len(w)
+
+
+@pytest.fixture(scope="module")
+def quick_report() -> DemoReport:
+    return run_demo(DemoConfig.quick())
+
+
+@rooms
+def test_kv_aware_routing_beats_round_robin_and_random(quick_report: DemoReport) -> None:
+    kv = quick_report.result("kv-aware")
+    rr = quick_report.result("round-robin")
+    rnd = quick_report.result("random")
+    assert kv.requests == rr.requests == rnd.requests == DemoConfig.quick().requests
+    assert kv.prompt_tokens == rr.prompt_tokens  # the same workload for every policy
+    assert kv.hit_rate > rr.hit_rate + 0.05
+    assert kv.hit_rate > rnd.hit_rate + 0.05
+    assert kv.computed_tokens < rr.computed_tokens
+    for r in quick_report.results:
+        assert not r.anomalies, r.anomalies
+        assert r.events > 0 and r.batches > 0
+        assert r.tokens_saved == r.gpu_hit_tokens + r.cpu_hit_tokens
+    # The router's view, built only from events, mostly predicts the engines exactly.
+    assert kv.predicted_exact >= 0.8 * kv.requests
+
+
+@rooms
+def test_the_demo_command_prints_the_comparison_and_writes_a_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "demo.png"
+    assert main(["demo", "--quick", "--seed", "3", "--plot", str(png), "-q"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("kv-aware", "round-robin", "random"):
+        assert any(line.startswith(policy) for line in out.splitlines())
+    assert "GPU hit" in out and "CPU hit" in out and "tokens saved" in out
+    assert "KV-aware routing reused" in out
+    assert f"plot written to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@rooms
+def test_the_demo_is_deterministic_for_a_seed(quick_report: DemoReport) -> None:
+    again = run_demo(DemoConfig.quick(policies=("kv-aware", "round-robin")))
+    for policy in ("kv-aware", "round-robin"):
+        a, b = quick_report.result(policy), again.result(policy)
+        assert (a.gpu_hit_tokens, a.cpu_hit_tokens, a.events) == (
+            b.gpu_hit_tokens,
+            b.cpu_hit_tokens,
+            b.events,
+        )
