@@ -403,9 +403,10 @@ def _replay_publish(args: argparse.Namespace) -> int:
                     pub = publishers[key] = create_publisher(cfg, data_parallel_rank=rank)
                     if not args.quiet:
                         status.done()
+                        rep = getattr(pub, "replay_endpoint", None)
                         print(
-                            f"publishing {rec.source}#{rank} on {pub.endpoint}"
-                            + (f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""),
+                            f"publishing {rec.source}#{rank} on {getattr(pub, 'endpoint', '?')}"
+                            + (f" (replay {rep})" if rep else ""),
                             file=sys.stderr,
                         )
                     if args.wait_subscribers > 0:

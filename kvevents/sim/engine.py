@@ -75,7 +75,8 @@ class SimEngineConfig:
     * ``decode_tokens_per_step``: output tokens each running request adds per step.
     * ``max_running``: requests decoding at once.
     * ``page_bytes``: bytes of simulated KV per GPU block; ``transfers``: move real
-      tensors between device and host memory (needs torch; skipped and counted without).
+      tensors between device and host memory (needs torch; skipped and counted without);
+      ``device``: where the simulated KV cache lives (``"cpu"`` or ``"cuda"``).
     """
 
     groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(16),)
@@ -89,6 +90,7 @@ class SimEngineConfig:
     max_running: int = 8
     page_bytes: int = 64
     transfers: bool = True
+    device: str = "cpu"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""
@@ -199,6 +201,7 @@ class SimEngine:
                 num_gpu_blocks=cfg.num_gpu_blocks,
                 page_bytes=cfg.page_bytes,
                 transfers=cfg.transfers,
+                device=cfg.device,
             )
         self._waiting: list[SimRequest] = []
         self._running: list[_Running] = []
@@ -324,14 +327,9 @@ class SimEngine:
         run.reserved = total_blocks - allocated
         self._reserved += run.reserved
         if self.offload is not None and cpu_end > gpu_hit:
-            loaded_ok = self.offload.load(
-                run.hasher.digests, run.blocks, gpu_hit, cpu_end, req.request_id
-            )
-            if loaded_ok:
-                mismatches = self.offload.verify_blocks(digests, run.blocks, gpu_hit, cpu_end)
-                self.stats.load_mismatches += mismatches
-            else:
-                cpu_end = gpu_hit
+            self.offload.load(run.hasher.digests, run.blocks, gpu_hit, cpu_end, req.request_id)
+            mismatches = self.offload.verify_blocks(digests, run.blocks, gpu_hit, cpu_end)
+            self.stats.load_mismatches += mismatches
         run.gpu_hit, run.cpu_hit = gpu_hit, cpu_end - gpu_hit
         # Prefill: every prompt block becomes computed; full ones are cached.
         if self.offload is not None:

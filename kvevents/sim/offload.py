@@ -4,29 +4,38 @@ the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3
 * Keys: for group ``g`` with ``T = block_size × blocks_per_chunk`` tokens per chunk, chunk
   ``c`` is keyed by the request's raw hash at its last hash boundary
   (``make_offload_key(raw[(c+1)·T/unit − 1], g)``), which is the GPU hash of the chunk's
-  last block in that group.
+  last block in that group.  The key's end position ``(c+1)·T`` is set on the request
+  context (the LRU policy ranks a request's keys by it).
 * Lookup counts consecutive whole-chunk hits after the GPU hit, per group, and keeps the
   smallest end; less than one chunk beyond the GPU hit in any group is no hit.
-* Stores copy the chunk's GPU blocks into a host chunk row; ``complete_store`` runs at
-  the next step (the transfer is asynchronous in vLLM), so CPU ``BlockStored`` events
-  trail the GPU ones.
-* Loads copy host chunk rows back into fresh GPU blocks (pinned between
-  ``prepare_load`` and ``complete_load``).
+* Stores: ``prepare_store``, then one batched device→host copy per group through the
+  offload room's ``CPUTransferWorker``; ``complete_store`` runs at the start of a later
+  step, once the copies have finished (the transfer is asynchronous in vLLM), so CPU
+  ``BlockStored`` events trail the GPU ones.
+* Loads: ``prepare_load`` (pins), a host→device copy into the request's fresh blocks
+  (skipping blocks of a first chunk that the GPU hit already covers), waited for, then
+  ``complete_load``.
 
-Without torch (or with ``transfers=False``) the manager and events work the same and the
-byte copies are skipped (counted in ``stats.transfers_skipped``).
+The simulated KV cache is one byte tensor of ``(num_gpu_blocks, page_bytes)`` on
+``device`` (``"cpu"`` or ``"cuda"``); every computed block holds bytes derived from its
+hash (:func:`expected_block_bytes`), so a load can be checked.  Without torch (or with
+``transfers=False``) the manager and its events work the same and the byte copies are
+skipped (counted in ``stats.transfers_skipped``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import logging
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents.errors import ConfigError
 from kvevents.events import KVEvent
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes", "offload_available"]
@@ -42,14 +51,6 @@ def offload_available() -> bool:
         return False
 
 
-def _torch() -> Any | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
-
-
 def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:
     """The simulated KV bytes of a computed block: the group id and its digest, repeated
     to ``page_bytes``."""
@@ -60,16 +61,24 @@ def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:
 
 @dataclass
 class OffloadSimStats:
-    """Counters of the simulated CPU tier."""
+    """Counters of the simulated CPU tier (chunks are CPU chunks, blocks GPU blocks)."""
 
     lookups: int = 0
-    chunk_hits: int = 0
     chunks_stored: int = 0
     chunks_loaded: int = 0
     stores_rejected: int = 0
     blocks_copied_to_host: int = 0
     blocks_copied_to_device: int = 0
+    transfer_failures: int = 0
     transfers_skipped: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _PendingStore:
+    keys: list[bytes]
+    ctx: Any
+    jobs: set[int]
+    ok: bool = True
 
 
 class SimOffload:
@@ -85,13 +94,12 @@ class SimOffload:
         num_gpu_blocks: int,
         page_bytes: int = 64,
         transfers: bool = True,
+        device: str = "cpu",
     ) -> None:
         off: Any = importlib.import_module("kvevents.publishers.offload")
         self._off = off
         self.blocks_per_chunk = blocks_per_chunk
         self.block_sizes = list(block_sizes)
-        import math
-
         self.unit = math.gcd(*self.block_sizes)
         self.tokens_per_chunk = [bs * blocks_per_chunk for bs in self.block_sizes]
         self.hashes_per_chunk = [t // self.unit for t in self.tokens_per_chunk]
@@ -103,20 +111,32 @@ class SimOffload:
             [off.OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
         )
         self.stats = OffloadSimStats()
-        self._pending: list[tuple[list[bytes], Any]] = []
+        self._pending: list[_PendingStore] = []
+        self._finished_jobs: dict[int, bool] = {}
+        self._job_ids = itertools.count()
         self._ctx: dict[str, Any] = {}
         self._offered: dict[str, list[int]] = {}
-        torch = _torch() if transfers else None
-        self._torch: Any = torch
-        self.device: Any = None
-        self.host: Any = None
-        if torch is not None:
-            self.device = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.uint8)
-            self.host = torch.zeros((num_chunks, page_bytes * blocks_per_chunk), dtype=torch.uint8)
+        self._torch: Any = None
+        self.kv: Any = None
+        self.worker: Any = None
+        self._skip_reason = ""
+        if not transfers:
+            self._skip_reason = "disabled"
         else:
-            reason = "torch_missing" if transfers else "disabled"
-            logger.info("simulated offload runs without byte transfers (%s)", reason)
-            self._skip_reason = reason
+            try:
+                import torch
+
+                transfer: Any = importlib.import_module("kvevents.publishers.offload.transfer")
+            except ImportError:
+                self._skip_reason = "torch_missing"
+            else:
+                if device.startswith("cuda") and not torch.cuda.is_available():
+                    raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
+                self._torch = torch
+                self.kv = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.int8, device=device)
+                self.worker = transfer.CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
+        if self._skip_reason:
+            logger.info("simulated offload runs without byte transfers (%s)", self._skip_reason)
 
     # --- keys ---------------------------------------------------------------------------
     def key(self, raw: Sequence[bytes], group: int, chunk: int) -> bytes:
@@ -125,6 +145,7 @@ class SimOffload:
         return bytes(self._off.make_offload_key(digest, group))
 
     def context(self, req_id: str) -> Any:
+        """The request's ``ReqContext`` (created on first use)."""
         ctx = self._ctx.get(req_id)
         if ctx is None:
             ctx = self._ctx[req_id] = self._off.ReqContext(req_id=req_id)
@@ -141,7 +162,7 @@ class SimOffload:
             last = -1
             while (c + 1) * tpc <= limit:
                 res = self.manager.lookup(self.key(raw, g, c), None)
-                if not _is_hit(res):
+                if getattr(res, "name", None) != "HIT":
                     break
                 last = c
                 c += 1
@@ -159,7 +180,7 @@ class SimOffload:
         start: int,
         end: int,
         req_id: str,
-    ) -> bool:
+    ) -> None:
         """Load tokens ``[start, end)`` of every group from CPU chunks into ``blocks``."""
         ctx = self.context(req_id)
         for g, tpc in enumerate(self.tokens_per_chunk):
@@ -167,28 +188,25 @@ class SimOffload:
             chunks = list(range(start // tpc, -(-end // tpc)))
             keys = [self.key(raw, g, c) for c in chunks]
             spec = self.manager.prepare_load(keys, ctx)
-            chunk_ids = list(_chunk_ids(spec))
             try:
-                if self.device is not None:
-                    for c, row in zip(chunks, chunk_ids):
-                        for j in range(self.blocks_per_chunk):
-                            b_idx = c * self.blocks_per_chunk + j
-                            if b_idx * bs < start or (b_idx + 1) * bs > end:
-                                continue
-                            self._copy_to_device(int(row), j, blocks[g][b_idx])
-                else:
+                first, last = start // bs, end // bs
+                if self.worker is not None and last > first:
+                    job = next(self._job_ids)
+                    dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
+                    self.worker.submit_load(job, spec, dst)
+                    self.worker.wait([job])
+                    self.stats.blocks_copied_to_device += last - first
+                elif self.worker is None:
                     self.stats.transfers_skipped[self._skip_reason] += 1
             finally:
                 self.manager.complete_load(keys, ctx)
             self.stats.chunks_loaded += len(keys)
-            self.stats.chunk_hits += len(keys)
-        return True
 
     def store(
         self, raw: Sequence[bytes], blocks: Sequence[Sequence[int]], upto: int, req_id: str
     ) -> int:
-        """Offer every full chunk of ``[0, upto)`` not offered yet for this request;
-        copies the accepted ones to host memory.  Returns the number of keys offered."""
+        """Offer every full chunk of ``[0, upto)`` not offered yet for this request and
+        copy the accepted ones to host memory.  Returns the number of keys offered."""
         ctx = self.context(req_id)
         offered = self._offered.setdefault(req_id, [0] * len(self.block_sizes))
         keys: list[bytes] = []
@@ -208,16 +226,28 @@ class SimOffload:
             self.stats.stores_rejected += 1
             return len(keys)
         to_store = [bytes(k) for k in out.keys_to_store]
-        if to_store:
-            rows = list(_chunk_ids(out.store_spec))
-            if self.device is not None:
-                for k, row in zip(to_store, rows):
-                    g, c = where[k]
-                    for j in range(self.blocks_per_chunk):
-                        self._copy_to_host(blocks[g][c * self.blocks_per_chunk + j], int(row), j)
-            else:
-                self.stats.transfers_skipped[self._skip_reason] += 1
-            self._pending.append((to_store, ctx))
+        if not to_store:
+            return len(keys)
+        pending = _PendingStore(to_store, ctx, set())
+        chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
+        if self.worker is not None:
+            bpc = self.blocks_per_chunk
+            for g in range(len(self.block_sizes)):
+                mine = [(k, row) for k, row in zip(to_store, chunk_ids) if where[k][0] == g]
+                if not mine:
+                    continue
+                src: list[int] = []
+                for k, _ in mine:
+                    c = where[k][1]
+                    src.extend(blocks[g][c * bpc : (c + 1) * bpc])
+                job = next(self._job_ids)
+                dst = self._off.CPULoadStoreSpec([row for _, row in mine])
+                self.worker.submit_store(job, src, dst)
+                pending.jobs.add(job)
+                self.stats.blocks_copied_to_host += len(src)
+        else:
+            self.stats.transfers_skipped[self._skip_reason] += 1
+        self._pending.append(pending)
         return len(keys)
 
     def finished(self, req_id: str) -> None:
@@ -228,14 +258,28 @@ class SimOffload:
             self.manager.on_request_finished(ctx)
 
     def has_pending(self) -> bool:
+        """Stores submitted and not completed yet."""
         return bool(self._pending)
 
     def complete_pending(self) -> None:
-        """Report last step's stores as complete."""
-        pending, self._pending = self._pending, []
-        for keys, ctx in pending:
-            self.manager.complete_store(keys, ctx)
-            self.stats.chunks_stored += len(keys)
+        """Complete the stores whose copies have finished (in submission order)."""
+        if self.worker is not None:
+            for r in self.worker.get_finished():
+                self._finished_jobs[r.job_id] = r.success
+        still: list[_PendingStore] = []
+        for p in self._pending:
+            if any(j not in self._finished_jobs for j in p.jobs) or still:
+                still.append(p)
+                continue
+            ok = all(self._finished_jobs.pop(j) for j in p.jobs)
+            if not ok:
+                self.stats.transfer_failures += 1
+            self.manager.complete_store(p.keys, p.ctx, success=ok)
+            self.stats.chunks_stored += len(p.keys) if ok else 0
+        self._pending = still
+        self._finished_jobs = {
+            j: s for j, s in self._finished_jobs.items() if any(j in p.jobs for p in still)
+        }
 
     def take_events(self) -> list[KVEvent]:
         """Manager events translated to KV events (placeholders), in manager order."""
@@ -243,8 +287,12 @@ class SimOffload:
 
     def reset(self) -> None:
         """Reset the CPU tier (emits nothing, C§6.2)."""
+        if self.worker is not None:
+            self.worker.wait()
+            self.worker.get_finished()
         self.manager.reset_cache()
         self._pending.clear()
+        self._finished_jobs.clear()
 
     # --- simulated bytes ------------------------------------------------------------------
     def write_blocks(
@@ -255,13 +303,20 @@ class SimOffload:
         end: int,
     ) -> None:
         """Fill the device blocks that become full while computing tokens ``[start, end)``."""
-        if self.device is None:
+        if self.kv is None:
             return
         torch = self._torch
+        ids: list[int] = []
+        data = bytearray()
         for g, bs in enumerate(self.block_sizes):
             for i in range(start // bs, min(end // bs, len(digests[g]))):
-                data = expected_block_bytes(digests[g][i], g, self.page_bytes)
-                self.device[blocks[g][i]] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                ids.append(blocks[g][i])
+                data += expected_block_bytes(digests[g][i], g, self.page_bytes)
+        if not ids:
+            return
+        rows = torch.frombuffer(data, dtype=torch.int8).view(len(ids), self.page_bytes)
+        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(0, index, rows.to(self.kv.device))
 
     def verify_blocks(
         self,
@@ -271,36 +326,17 @@ class SimOffload:
         end: int,
     ) -> int:
         """How many blocks of ``[start, end)`` do not hold their expected bytes."""
-        if self.device is None:
+        if self.kv is None:
             return 0
         bad = 0
         for g, bs in enumerate(self.block_sizes):
-            for i in range(start // bs, end // bs):
-                want = expected_block_bytes(digests[g][i], g, self.page_bytes)
-                if bytes(self.device[blocks[g][i]].numpy().tobytes()) != want:
+            first, last = start // bs, end // bs
+            if last <= first:
+                continue
+            index = self._torch.tensor(list(blocks[g][first:last]), device=self.kv.device)
+            got = self.kv.index_select(0, index).cpu().numpy().tobytes()
+            p = self.page_bytes
+            for j, i in enumerate(range(first, last)):
+                if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
                     bad += 1
         return bad
-
-    def _copy_to_host(self, block: int, row: int, slot: int) -> None:
-        p = self.page_bytes
-        self.host[row, slot * p : (slot + 1) * p].copy_(self.device[block])
-        self.stats.blocks_copied_to_host += 1
-
-    def _copy_to_device(self, row: int, slot: int, block: int) -> None:
-        p = self.page_bytes
-        self.device[block].copy_(self.host[row, slot * p : (slot + 1) * p])
-        self.stats.blocks_copied_to_device += 1
-
-
-def _is_hit(result: Any) -> bool:
-    name = getattr(result, "name", None)
-    if name is not None:
-        return bool(name == "HIT")
-    return bool(result)
-
-
-def _chunk_ids(spec: Any) -> Sequence[int]:
-    ids = getattr(spec, "chunk_ids", None)
-    if ids is None:
-        ids = spec.block_ids
-    return list(int(i) for i in ids)
