@@ -181,24 +181,37 @@ class BatchDecoder:
         self._map_form = msgspec.msgpack.Decoder(KVEventBatch)
         self._array_form = msgspec.msgpack.Decoder(_ArrayFormBatch)
         self._generic = msgspec.msgpack.Decoder()
+        self._array_first = False
 
     def decode(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
         """Decode one payload frame.  Raises :class:`DecodeError` if it is malformed."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        # A producer keeps one event form, so try the form that worked last time first.
+        first, second = (
+            (self._decode_array, self._decode_map)
+            if self._array_first
+            else (self._decode_map, self._decode_array)
+        )
         try:
-            return self._map_form.decode(payload)
+            return first(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass
         try:
-            arr = self._array_form.decode(payload)
+            batch = second(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
-            pass
-        else:
-            return KVEventBatch(
-                arr.ts, [_from_array_twin(e) for e in arr.events], arr.data_parallel_rank
-            )
-        return self._decode_generic(payload)
+            return self._decode_generic(payload)
+        self._array_first = not self._array_first
+        return batch
+
+    def _decode_map(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        return self._map_form.decode(payload)
+
+    def _decode_array(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
+        arr = self._array_form.decode(payload)
+        return KVEventBatch(
+            arr.ts, [_from_array_twin(e) for e in arr.events], arr.data_parallel_rank
+        )
 
     # --- the tolerant path ---------------------------------------------------------
     def _decode_generic(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:

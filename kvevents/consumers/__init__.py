@@ -2,3 +2,5 @@
 
 Never imports torch or :mod:`kvevents.publishers`.
 """
+
+__all__: list[str] = []

@@ -1,0 +1,65 @@
+"""The public surface: ``__all__`` lists exactly what each package exports."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+import kvevents
+
+PACKAGES = ["kvevents", "kvevents.publishers", "kvevents.consumers"]
+
+
+def _public_names(mod: types.ModuleType) -> set[str]:
+    return {
+        name
+        for name, value in vars(mod).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and name not in {"annotations"}
+    }
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_is_exact(name: str) -> None:
+    mod = importlib.import_module(name)
+    exported = set(getattr(mod, "__all__", []))
+    for item in exported:
+        assert hasattr(mod, item), f"{name}.__all__ names missing {item}"
+    assert _public_names(mod) - {"__version__"} <= exported
+    assert len(exported) == len(mod.__all__), "duplicates in __all__"
+
+
+def test_top_level_names() -> None:
+    for name in (
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+        "KVEventBatch",
+        "encode_batch",
+        "decode_batch",
+        "KVEventsError",
+        "DecodeError",
+        "END_SEQ",
+    ):
+        assert name in kvevents.__all__
+
+
+def test_errors_share_one_root() -> None:
+    from kvevents import errors
+
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), kvevents.KVEventsError)
+
+
+def test_router_side_imports_without_torch() -> None:
+    """A router installs without torch: importing the core and consumers must not load it."""
+    code = (
+        "import sys, kvevents, kvevents.consumers, kvevents.cli;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
