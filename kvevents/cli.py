@@ -484,14 +484,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
+    if args.policy:
+        overrides["policies"] = tuple(dict.fromkeys(args.policy))
+    if args.endpoint:
+        overrides["bind"] = args.endpoint
+    hold = args.hold if args.hold is not None else (2.0 if args.endpoint else 0.0)
+    if hold < 0:
+        raise ConfigError("--hold must be >= 0")
+    overrides["hold_s"] = hold
     config = replace(base, **overrides)
     status = _StatusLine(sys.stderr, enabled=not args.quiet)
 
     def progress(policy: str, done: int, total: int) -> None:
         status.update(f"demo: {policy}: {done}/{total} requests routed", force=done == total)
 
+    def on_start(policy: str, cluster: Any) -> None:
+        if args.quiet:
+            return
+        status.done()
+        print(f"demo: {policy}: {len(cluster.workers)} engine rank(s) publishing:", file=sys.stderr)
+        for w in cluster.workers:
+            print(
+                f"  {w.engine.name:<14} {w.endpoint}  replay {w.replay_endpoint}",
+                file=sys.stderr,
+            )
+
     try:
-        report = run_demo(config, progress=progress)
+        report = run_demo(config, progress=progress, on_start=on_start)
     finally:
         status.done()
     print(format_report(report))
@@ -620,6 +639,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-ranks", type=int, help="data-parallel ranks per engine")
     p.add_argument("--requests", type=int, help="requests in the workload")
     p.add_argument("--seed", type=int, help="workload seed")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=["kv-aware", "round-robin", "random"],
+        help="run only this policy (repeatable; default: all three)",
+    )
+    p.add_argument(
+        "--endpoint",
+        metavar="ENDPOINT",
+        help="PUB endpoint of engine 0, e.g. tcp://*:5557 (engine i, rank r: port + i*ranks "
+        "+ r; replay: port + 100 + ...); default: ephemeral ports",
+    )
+    p.add_argument(
+        "--hold",
+        type=float,
+        metavar="S",
+        help="keep each policy's engines up S seconds before and after routing, so "
+        "`kvevents record` can join and replay (default: 2 with --endpoint, else 0)",
+    )
     p.add_argument(
         "--plot",
         default="kvevents-demo.png",

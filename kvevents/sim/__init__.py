@@ -16,7 +16,13 @@ from kvevents.sim.block_pool import (
     group_block_hashes,
     hash_block_size,
 )
-from kvevents.sim.cluster import ClusterConfig, SimCluster, SimWorker, loopback_endpoint
+from kvevents.sim.cluster import (
+    ClusterConfig,
+    SimCluster,
+    SimWorker,
+    engine_endpoint,
+    loopback_endpoint,
+)
 from kvevents.sim.demo import (
     POLICIES,
     DemoConfig,
@@ -58,6 +64,7 @@ __all__ = [
     "SimRequest",
     "SimWorker",
     "WorkloadConfig",
+    "engine_endpoint",
     "expected_block_bytes",
     "format_report",
     "generate_workload",

@@ -21,7 +21,7 @@ from kvevents.errors import ConfigError
 from kvevents.events import KVEventBatch
 from kvevents.sim.engine import SimEngine, SimEngineConfig
 
-__all__ = ["ClusterConfig", "SimCluster", "SimWorker", "loopback_endpoint"]
+__all__ = ["ClusterConfig", "SimCluster", "SimWorker", "engine_endpoint", "loopback_endpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +35,29 @@ def loopback_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def engine_endpoint(bind: str, offset: int) -> str:
+    """``bind`` with its TCP port moved up by ``offset``; port 0 (ephemeral) stays 0.
+
+    Raises :class:`ConfigError` for a non-TCP endpoint with a non-zero offset.
+    """
+    if offset == 0:
+        return bind
+    head, sep, port = bind.rpartition(":")
+    if not bind.startswith("tcp://") or not sep or not port.isdigit():
+        raise ConfigError(f"cannot give several engines distinct ports from {bind!r}")
+    return bind if int(port) == 0 else f"{head}:{int(port) + offset}"
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """``num_engines`` engines of ``dp_ranks`` ranks each, all shaped by ``engine``.
 
-    ``bind`` is the PUB endpoint asked of each engine (``tcp://*:0``: an ephemeral port,
-    so several clusters can run at once); ``replay`` adds a replay ROUTER with
-    ``buffer_steps`` batches of history.
+    ``bind`` is the PUB endpoint asked of each engine.  With ``tcp://*:0`` (default)
+    every publisher gets an ephemeral port, so several clusters can run at once.  With a
+    fixed ``tcp://HOST:P``, engine *i* rank *r* publishes on port ``P + i·dp_ranks + r``
+    and, with ``replay``, serves replay on ``P + 100 + i·dp_ranks + r`` (vLLM's DP offset
+    rule applied to a base of ``P + i·dp_ranks``; C§2.4).  ``replay`` adds a replay
+    ROUTER with ``buffer_steps`` batches of history.
     """
 
     num_engines: int = 4
@@ -95,11 +111,13 @@ class SimCluster:
         cfg = self.config
         try:
             for i in range(cfg.num_engines):
+                pub_base = engine_endpoint(cfg.bind, i * cfg.dp_ranks)
+                replay_base = engine_endpoint(cfg.bind, 100 + i * cfg.dp_ranks)
                 for rank in range(cfg.dp_ranks):
                     pub = ZmqEventPublisher(
                         data_parallel_rank=rank,
-                        endpoint=cfg.bind,
-                        replay_endpoint=cfg.bind if cfg.replay else None,
+                        endpoint=pub_base,
+                        replay_endpoint=replay_base if cfg.replay else None,
                         buffer_steps=cfg.buffer_steps,
                         topic=cfg.topic,
                     )

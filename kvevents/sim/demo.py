@@ -68,7 +68,11 @@ class DemoConfig:
     """What the demo runs.  ``engine=None`` picks the default shape: one group of
     16-token blocks, 96 GPU blocks and 128 CPU chunks of 4 blocks per engine (small
     enough that placement matters).  ``wave`` is how many requests arrive between two
-    catch-ups of the index."""
+    catch-ups of the index.  ``bind`` is the engines' PUB endpoint (see
+    :class:`~kvevents.sim.cluster.ClusterConfig`; a fixed port lets ``kvevents record``
+    follow the engines).  ``hold_s`` keeps each policy's engines up that many seconds
+    before routing starts and after it ends, so outside subscribers have time to
+    connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays."""
 
     engines: int = 4
     requests: int = 320
@@ -80,6 +84,8 @@ class DemoConfig:
     policies: tuple[str, ...] = POLICIES
     engine: SimEngineConfig | None = None
     catch_up_timeout_s: float = 20.0
+    bind: str = "tcp://*:0"
+    hold_s: float = 0.0
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -250,6 +256,7 @@ def run_policy(
     config: DemoConfig,
     *,
     progress: Callable[[str, int, int], None] | None = None,
+    on_start: Callable[[str, SimCluster], None] | None = None,
 ) -> PolicyResult:
     """Route ``requests`` with ``policy`` on fresh engines; see the module docstring."""
     if policy not in POLICIES:
@@ -258,11 +265,20 @@ def run_policy(
     res = PolicyResult(policy)
     rng = random.Random(config.seed ^ 0x5EED)
     cluster = SimCluster(
-        ClusterConfig(num_engines=config.engines, dp_ranks=config.dp_ranks, engine=engine_cfg)
+        ClusterConfig(
+            num_engines=config.engines,
+            dp_ranks=config.dp_ranks,
+            engine=engine_cfg,
+            bind=config.bind,
+        )
     )
     consumer: _Consumer | None = None
     try:
+        if on_start is not None:
+            on_start(policy, cluster)
         consumer = _Consumer(cluster, engine_cfg)
+        if config.hold_s > 0:
+            time.sleep(config.hold_s)  # outside subscribers (kvevents record) join
         missing = cluster.announce(consumer.seen)
         for wid in missing:
             res.anomalies["worker_not_connected"] += 1
@@ -322,6 +338,8 @@ def run_policy(
                 if p == got.gpu_hit_tokens + got.cpu_hit_tokens:
                     res.predicted_exact += 1
         res.wall_s = time.perf_counter() - t0
+        if config.hold_s > 0:
+            time.sleep(config.hold_s)  # let outside subscribers finish their replays
         res.batches = consumer.batches
         res.events = consumer.events - events_before
         res.consume_s = consumer.busy_s
@@ -360,6 +378,7 @@ def run_demo(
     config: DemoConfig | None = None,
     *,
     progress: Callable[[str, int, int], None] | None = None,
+    on_start: Callable[[str, SimCluster], None] | None = None,
 ) -> DemoReport:
     """Run every policy of ``config`` on the same seeded workload."""
     config = config or DemoConfig()
@@ -370,7 +389,10 @@ def run_demo(
     _warm_up(engine_cfg)
     if engine_cfg.num_cpu_chunks == 0:
         notes.append("CPU offload is off (kvevents.publishers.offload is not available)")
-    results = [run_policy(p, requests, config, progress=progress) for p in config.policies]
+    results = [
+        run_policy(p, requests, config, progress=progress, on_start=on_start)
+        for p in config.policies
+    ]
     return DemoReport(config, engine_cfg, results, time.perf_counter() - t0, notes)
 
 
