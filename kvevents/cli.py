@@ -488,6 +488,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         overrides["policies"] = tuple(dict.fromkeys(args.policy))
     if args.endpoint:
         overrides["bind"] = args.endpoint
+    if args.device:
+        overrides["device"] = args.device
     hold = args.hold if args.hold is not None else (2.0 if args.endpoint else 0.0)
     if hold < 0:
         raise ConfigError("--hold must be >= 0")
@@ -618,6 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause S seconds after binding each publisher so subscribers can connect",
     )
     p.add_argument(
+        "--device",
+        help="where the engines' simulated KV cache lives: cpu (default) or cuda",
+    )
+    p.add_argument(
         "--hold",
         type=float,
         default=0.0,
@@ -652,6 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
         "+ r; replay: port + 100 + ...); default: ephemeral ports",
     )
     p.add_argument(
+        "--device",
+        help="where the engines' simulated KV cache lives: cpu (default) or cuda",
+    )
+    p.add_argument(
         "--hold",
         type=float,
         metavar="S",
@@ -679,6 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # e.g. `kvevents inspect f | head`
         return 0
+    except OSError as exc:  # e.g. an output directory that does not exist
+        print(f"kvevents: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

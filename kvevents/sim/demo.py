@@ -72,7 +72,9 @@ class DemoConfig:
     :class:`~kvevents.sim.cluster.ClusterConfig`; a fixed port lets ``kvevents record``
     follow the engines).  ``hold_s`` keeps each policy's engines up that many seconds
     before routing starts and after it ends, so outside subscribers have time to
-    connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays."""
+    connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays.
+    ``device`` holds the engines' simulated KV cache (``"cuda"`` moves the offload copies
+    through CUDA streams and pinned host memory)."""
 
     engines: int = 4
     requests: int = 320
@@ -86,6 +88,7 @@ class DemoConfig:
     catch_up_timeout_s: float = 20.0
     bind: str = "tcp://*:0"
     hold_s: float = 0.0
+    device: str = "cpu"
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -94,7 +97,9 @@ class DemoConfig:
         return replace(base, **overrides)
 
     def engine_config(self) -> SimEngineConfig:
-        return self.engine or _default_engine(offload_available())
+        """The engine shape: :attr:`engine`, else the default, on :attr:`device`."""
+        base = self.engine or _default_engine(offload_available())
+        return base if self.device == "cpu" else replace(base, device=self.device)
 
     def workload(self) -> WorkloadConfig:
         return WorkloadConfig(
@@ -407,7 +412,8 @@ def format_report(report: DemoReport) -> str:
     )
     lines = [
         f"kvevents demo: {cfg.engines} engines x {cfg.dp_ranks} DP rank(s), GPU {eng.num_gpu_blocks} "
-        f"blocks of {sizes} tokens, {cpu}",
+        f"blocks of {sizes} tokens, {cpu}"
+        + (f", KV on {eng.device}" if eng.device != "cpu" else ""),
         f"workload: {cfg.requests} requests, {cfg.tenants} tenants with shared system prompts, "
         f"{cfg.concurrent_sessions} concurrent chat sessions, seed {cfg.seed}",
         "",

@@ -79,3 +79,25 @@ def test_the_demo_is_deterministic_for_a_seed(quick_report: DemoReport) -> None:
             b.cpu_hit_tokens,
             b.events,
         )
+
+
+@rooms
+def test_engines_with_several_dp_ranks_are_routed_as_separate_workers() -> None:
+    cfg = DemoConfig.quick(engines=2, dp_ranks=2, requests=40, policies=("kv-aware",))
+    report = run_demo(cfg)
+    (kv,) = report.results
+    assert kv.requests == 40 and not kv.anomalies
+    assert set(kv.requests_per_worker) <= {
+        "engine0/dp0",
+        "engine0/dp1",
+        "engine1/dp0",
+        "engine1/dp1",
+    }
+    assert len(kv.requests_per_worker) >= 3
+
+
+def test_demo_option_errors_are_reported_not_raised(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--quick", "--hold", "-1", "--plot", ""]) == 2
+    assert "kvevents: error:" in capsys.readouterr().err

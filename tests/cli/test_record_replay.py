@@ -218,3 +218,41 @@ def test_replay_publish_needs_an_endpoint_per_recorded_publisher(
     assert "holds 2 publishers" in err and "tcp://a:1" in err and "tcp://b:1" in err
     assert main(["replay", str(path)]) == 2
     assert "exactly one of --into-index or --publish" in capsys.readouterr().err
+
+
+def test_record_refuses_mismatched_replay_endpoints_and_bad_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["record", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "--replay-endpoint"]
+    assert main([*args, "tcp://127.0.0.1:3", "-o", str(tmp_path / "x.kvcap")]) == 2
+    assert "one --replay-endpoint per endpoint" in capsys.readouterr().err
+    missing_dir = tmp_path / "no" / "such" / "dir" / "x.kvcap"
+    assert main(["record", f"ipc://{tmp_path}/r.ipc", "-o", str(missing_dir), "--count", "1"]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+
+
+def test_record_stops_after_count_with_a_complete_file(tmp_path: Path) -> None:
+    ep = f"ipc://{tmp_path}/count.ipc"
+    pub = publishers.ZmqEventPublisher(endpoint=ep)
+    from kvevents.events import KVEventBatch
+
+    out = tmp_path / "count.kvcap"
+    stop = threading.Event()
+
+    def feed() -> None:  # keeps publishing until the recorder has what it needs
+        while not stop.is_set():
+            pub.publish(KVEventBatch(time.time(), [], 0))
+            stop.wait(0.01)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        assert main(["record", ep, "-o", str(out), "--count", "5", "-q"]) == 0
+    finally:
+        stop.set()
+        feeder.join()
+        pub.shutdown()
+    got = read_capture(out)
+    assert got.tail_error is None and len(got.records) == 5
+    seqs = [r.seq for r in got.records]
+    assert seqs == list(range(seqs[0], seqs[0] + 5))

@@ -161,3 +161,21 @@ def test_events_do_not_depend_on_byte_transfers() -> None:
     with_bytes, without = run(True), run(False)
     assert with_bytes == without
     assert Counter(type(ev).__name__ for ev in with_bytes)["BlockStored"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_kv_cache_round_trips_through_pinned_host_chunks() -> None:
+    def run(device: str) -> tuple[list[object], SimEngine]:
+        e, sink = engine((16,), gpu=40, cpu=32, bpc=2, device=device)
+        for r in generate_workload(WorkloadConfig(num_requests=40, seed=6)):
+            e.add_request(r)
+        e.run_until_idle()
+        return [ev for b in sink.batches for ev in b.events], e
+
+    on_cpu, _ = run("cpu")
+    on_gpu, e = run("cuda")
+    assert on_gpu == on_cpu
+    assert e.offload is not None and e.offload.worker.is_cuda
+    assert e.offload.stats.blocks_copied_to_device > 0
+    assert e.stats.load_mismatches == 0
