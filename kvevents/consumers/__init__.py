@@ -3,4 +3,29 @@
 Never imports torch or :mod:`kvevents.publishers`.
 """
 
-__all__: list[str] = []
+from kvevents.consumers.aio import AsyncSubscriber
+from kvevents.consumers.seqtrack import StreamTracker
+from kvevents.consumers.sources import CaptureSource, Source, SourceMessage, ZmqSource
+from kvevents.consumers.subscriber import (
+    ANOMALY_KINDS,
+    Anomaly,
+    ReceivedBatch,
+    Subscriber,
+    SubscriberItem,
+    SubscriberStats,
+)
+
+__all__ = [
+    "ANOMALY_KINDS",
+    "Anomaly",
+    "AsyncSubscriber",
+    "CaptureSource",
+    "ReceivedBatch",
+    "Source",
+    "SourceMessage",
+    "StreamTracker",
+    "Subscriber",
+    "SubscriberItem",
+    "SubscriberStats",
+    "ZmqSource",
+]

@@ -1,0 +1,203 @@
+"""``KVEventsConfig``: vLLM's KV-event publisher settings, field for field (C§2.4).
+
+The field names and defaults are vLLM's, so a ``--kv-events-config '{json}'`` value
+written for vLLM configures kvevents unchanged.  Unlike vLLM's pydantic dataclass, values
+are checked strictly (no ``"true"`` for ``True``) and every error is a
+:class:`~kvevents.errors.ConfigError` (a ``ValueError``) naming the field and the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from kvevents.errors import ConfigError
+
+__all__ = [
+    "CLI_FLAG",
+    "ZMQ_TRANSPORTS",
+    "KVEventsConfig",
+    "validate_endpoint",
+]
+
+CLI_FLAG = "--kv-events-config"
+"""vLLM's command-line flag carrying a JSON object of :class:`KVEventsConfig` fields."""
+
+ZMQ_TRANSPORTS: frozenset[str] = frozenset(
+    {"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci"}
+)
+"""Transports an endpoint may name (those libzmq knows for PUB and ROUTER sockets)."""
+
+_TCP_ADDRESS = re.compile(r"^(?P<host>.+):(?P<port>[0-9]+)$")
+
+
+def validate_endpoint(endpoint: object, name: str = "endpoint") -> str:
+    """Check that ``endpoint`` is a ZMQ endpoint string and return it.
+
+    Rules: ``<transport>://<address>`` with a transport of :data:`ZMQ_TRANSPORTS` and a
+    non-empty address; a ``tcp`` address must end in ``:<port>`` with a decimal port in
+    0–65535 (0 asks the OS for a free port when binding).  Raises :class:`ConfigError`.
+    """
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{name} must be a string, got {type(endpoint).__name__}")
+    transport, sep, address = endpoint.partition("://")
+    if not sep or not transport:
+        raise ConfigError(
+            f"{name} {endpoint!r} is not a ZMQ endpoint: expected '<transport>://<address>', "
+            "e.g. 'tcp://*:5557' or 'ipc:///tmp/kv-events'"
+        )
+    if transport not in ZMQ_TRANSPORTS:
+        raise ConfigError(
+            f"{name} {endpoint!r} names unknown transport {transport!r}; "
+            f"expected one of {', '.join(sorted(ZMQ_TRANSPORTS))}"
+        )
+    if not address:
+        raise ConfigError(f"{name} {endpoint!r} has an empty address after '{transport}://'")
+    if transport == "tcp":
+        match = _TCP_ADDRESS.match(address)
+        if match is None:
+            raise ConfigError(
+                f"{name} {endpoint!r} must end in ':<port>' with a decimal port, "
+                "e.g. 'tcp://*:5557' (bind) or 'tcp://host:5557' (connect)"
+            )
+        port = int(match.group("port"))
+        if port > 65535:
+            raise ConfigError(f"{name} {endpoint!r} has port {port}, outside 0-65535")
+    return endpoint
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class KVEventsConfig:
+    """Settings of the KV-event publisher, named and defaulted exactly as vLLM's.
+
+    * ``enable_kv_cache_events``: master switch; when false the factory returns a
+      :class:`~kvevents.publishers.base.NullEventPublisher`.
+    * ``publisher``: the publisher kind (``"zmq"``, ``"null"`` or a kind added with
+      :func:`~kvevents.publishers.factory.register_publisher`).  ``None`` becomes
+      ``"zmq"`` when enabled, else ``"null"``.
+    * ``endpoint``: the PUB endpoint.  It binds when it contains ``*`` or ``::`` or is
+      ``ipc://`` / ``inproc://``, otherwise it connects (e.g. to a central XSUB).
+    * ``replay_endpoint``: the ROUTER replay endpoint (always bound); ``None``: no replay.
+    * ``buffer_steps``: how many recent batches the replay buffer keeps (batches, >= 0).
+    * ``hwm``: the PUB socket's high-water mark (messages; 0 means no limit).
+    * ``max_queue_size``: the in-process queue between ``publish()`` and the sender
+      thread (batches, >= 1).  When it is full, ``publish()`` drops the batch.
+    * ``topic``: the first frame of every message; SUB sockets filter on its prefix.
+
+    Raises :class:`~kvevents.errors.ConfigError` on any invalid value.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError(
+                "enable_kv_cache_events must be a bool, got "
+                f"{type(self.enable_kv_cache_events).__name__} {self.enable_kv_cache_events!r}"
+            )
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if not isinstance(self.publisher, str):
+            raise ConfigError(
+                f"publisher must be a string, got {type(self.publisher).__name__} "
+                f"{self.publisher!r}"
+            )
+        # Imported here: the factory imports this module for its signature.
+        from kvevents.publishers.factory import registered_publishers
+
+        kinds = registered_publishers()
+        if self.publisher not in kinds:
+            raise ConfigError(
+                f"unknown publisher {self.publisher!r}; expected one of "
+                f"{', '.join(repr(k) for k in kinds)} (or register one with register_publisher)"
+            )
+        validate_endpoint(self.endpoint, "endpoint")
+        if self.replay_endpoint is not None:
+            validate_endpoint(self.replay_endpoint, "replay_endpoint")
+        _check_int("buffer_steps", self.buffer_steps, 0)
+        _check_int("hwm", self.hwm, 0)
+        _check_int("max_queue_size", self.max_queue_size, 1)
+        if not isinstance(self.topic, str):
+            raise ConfigError(
+                f"topic must be a string, got {type(self.topic).__name__} {self.topic!r}"
+            )
+
+    # --- (de)serialisation ---------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The accepted keys, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
+        """Build a config from a mapping of field names; unknown keys are rejected."""
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"KV events config must be a JSON object, got {type(values).__name__}"
+            )
+        known = cls.field_names()
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"unknown KV events config key(s) {', '.join(repr(k) for k in unknown)}; "
+                f"valid keys are {', '.join(known)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVEventsConfig:
+        """Parse the JSON object of ``--kv-events-config '{json}'`` (unknown keys rejected)."""
+        try:
+            values = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise ConfigError(f"KV events config is not valid JSON: {exc}") from exc
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str]) -> KVEventsConfig | None:
+        """Find ``--kv-events-config JSON`` (or ``--kv-events-config=JSON``) in ``argv``.
+
+        Returns the parsed config, or ``None`` when the flag is absent.  When the flag
+        is given more than once the last one wins, as with argparse.  A flag without a
+        value raises :class:`ConfigError`.
+        """
+        found: str | None = None
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            if arg == CLI_FLAG:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{CLI_FLAG} needs a JSON object value")
+                found = argv[i + 1]
+                i += 2
+                continue
+            if arg.startswith(CLI_FLAG + "="):
+                found = arg[len(CLI_FLAG) + 1 :]
+            i += 1
+        return None if found is None else cls.from_json(found)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what vLLM's ``asdict`` gives)."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """The config as the JSON object ``--kv-events-config`` accepts."""
+        return json.dumps(self.to_dict())
