@@ -281,7 +281,8 @@ def _replay_into_index(args: argparse.Namespace) -> int:
 def _index_text(index: Any, summary: dict[Any, Any], sub_stats: Any) -> str:
     st = index.stats
     lines = [
-        f"index: {len(summary)} worker(s), {st.batches} batches, {st.events} events applied; "
+        f"index: {len(summary)} worker(s), {st.batches} batches, "
+        f"{getattr(st, 'applied', getattr(st, 'events', 0))} events applied; "
         f"{sub_stats.replayed_batches} replayed, {sub_stats.lost_batches} lost",
         f"{'worker':<40} {'tier':<8} {'entries':>9} {'tokens':>10}",
     ]
