@@ -128,6 +128,7 @@ class PolicyResult:
     """Seconds spent routing and serving the workload (after start-up)."""
     consume_s: float = 0.0
     anomalies: Counter[str] = field(default_factory=Counter)
+    anomaly_details: list[str] = field(default_factory=list)
     requests_per_worker: Counter[str] = field(default_factory=Counter)
     saved_curve: list[int] = field(default_factory=list)
     index_summary: str = ""
@@ -202,6 +203,7 @@ class _Consumer:
         self.busy_s = 0.0
         self.anomalies: Counter[str] = Counter()
         self.anomaly_details: list[str] = []
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._thread = threading.Thread(
@@ -210,6 +212,15 @@ class _Consumer:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # surfaced to the routing thread by wait_for()
+            logger.exception("demo consumer failed")
+            with self._cond:
+                self.error = exc
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         from kvevents.consumers import Anomaly, ReceivedBatch
 
         while not self._stop.is_set():
@@ -228,9 +239,11 @@ class _Consumer:
                     self._cond.notify_all()
             elif isinstance(item, Anomaly):
                 self.anomalies[item.kind] += 1
-                self.anomaly_details.append(
-                    f"{item.kind} {item.source}#{item.dp_rank}: {item.detail}"
-                )
+                rank = "?" if item.dp_rank is None else item.dp_rank
+                self.anomaly_details.append(f"{item.kind} {item.source}#{rank}: {item.detail}")
+                if item.needs_reset and item.dp_rank is not None:
+                    with self.lock:
+                        self.index.reset_worker((item.source, item.dp_rank))
             self.busy_s += time.perf_counter() - t0
 
     def seen(self, wid: WorkerId) -> bool:
@@ -242,6 +255,8 @@ class _Consumer:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
+                if self.error is not None:
+                    raise RuntimeError(f"the demo's consumer thread failed: {self.error}")
                 if all(self.last_seq.get(w, -1) >= s for w, s in targets.items()):
                     return True
                 left = deadline - time.monotonic()
@@ -349,6 +364,7 @@ def run_policy(
         res.events = consumer.events - events_before
         res.consume_s = consumer.busy_s
         res.anomalies.update(consumer.anomalies)
+        res.anomaly_details.extend(consumer.anomaly_details)
         res.index_summary = _index_summary(consumer.index)
     finally:
         if consumer is not None:
@@ -450,6 +466,7 @@ def format_report(report: DemoReport) -> str:
         if r.anomalies:
             kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r.anomalies.items()))
             lines.append(f"anomalies ({r.policy}): {kinds}")
+            lines.extend(f"  {d}" for d in r.anomaly_details)
     if not any(r.anomalies for r in report.results):
         lines.append("anomalies: none (no seq gaps, losses or restarts)")
     lines.extend(f"note: {n}" for n in report.notes)

@@ -101,3 +101,26 @@ def test_demo_option_errors_are_reported_not_raised(
 ) -> None:
     assert main(["demo", "--quick", "--hold", "-1", "--plot", ""]) == 2
     assert "kvevents: error:" in capsys.readouterr().err
+
+
+def test_the_report_lists_every_anomaly_by_policy() -> None:
+    from collections import Counter
+
+    from kvevents.sim.demo import PolicyResult, format_report
+    from kvevents.sim.engine import SimEngineConfig
+
+    ok = PolicyResult("kv-aware", requests=1, prompt_tokens=100, gpu_hit_tokens=50)
+    bad = PolicyResult(
+        "round-robin",
+        requests=1,
+        prompt_tokens=100,
+        gpu_hit_tokens=10,
+        computed_tokens=90,
+        anomalies=Counter({"unrecoverable_loss": 1}),
+        anomaly_details=["unrecoverable_loss tcp://127.0.0.1:9#0: seq 3..5 no longer buffered"],
+    )
+    text = format_report(DemoReport(DemoConfig(), SimEngineConfig(), [ok, bad], 1.0))
+    assert "anomalies (round-robin): unrecoverable_loss x1" in text
+    assert "  unrecoverable_loss tcp://127.0.0.1:9#0: seq 3..5 no longer buffered" in text
+    assert "anomalies: none" not in text
+    assert "50.0%" in text and "10.0%" in text

@@ -256,3 +256,22 @@ def test_record_stops_after_count_with_a_complete_file(tmp_path: Path) -> None:
     assert got.tail_error is None and len(got.records) == 5
     seqs = [r.seq for r in got.records]
     assert seqs == list(range(seqs[0], seqs[0] + 5))
+
+
+def test_replay_into_index_reports_the_gaps_of_a_capture(
+    sim_capture: tuple[Path, list[bytes]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = sim_capture
+    holed = tmp_path / "holed.kvcap"
+    with CaptureWriter(holed) as w:
+        for rec in read_capture(path).records:
+            if rec.seq not in (5, 6):
+                w.write_record(rec)
+    assert main(["replay", str(holed), "--into-index", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    kinds = [a["kind"] for a in js["anomalies"]]
+    assert kinds and set(kinds) <= {"gap", "unrecoverable_loss"}
+    assert any(a["first_seq"] == 5 for a in js["anomalies"])
+    assert main(["replay", str(holed), "--into-index", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "anomalies (" in out and "tcp://engine-a:5557#0 seq 5..6" in out
