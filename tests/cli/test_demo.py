@@ -124,3 +124,22 @@ def test_the_report_lists_every_anomaly_by_policy() -> None:
     assert "  unrecoverable_loss tcp://127.0.0.1:9#0: seq 3..5 no longer buffered" in text
     assert "anomalies: none" not in text
     assert "50.0%" in text and "10.0%" in text
+
+
+@rooms
+def test_hybrid_engines_with_two_block_sizes_route_end_to_end() -> None:
+    from kvevents.sim import KVCacheGroupSpec, SimEngineConfig, offload_available
+
+    engine = SimEngineConfig(
+        groups=(KVCacheGroupSpec(16), KVCacheGroupSpec(32)),
+        num_gpu_blocks=160,
+        num_cpu_chunks=96 if offload_available() else 0,
+        blocks_per_chunk=2,
+        decode_tokens_per_step=16,
+    )
+    cfg = DemoConfig.quick(engine=engine, requests=48, policies=("kv-aware", "round-robin"))
+    report = run_demo(cfg)
+    kv, rr = report.result("kv-aware"), report.result("round-robin")
+    assert not kv.anomalies and not rr.anomalies
+    assert kv.hit_rate > rr.hit_rate
+    assert kv.predicted_exact >= 0.7 * kv.requests
