@@ -4,6 +4,17 @@ Never imports torch or :mod:`kvevents.publishers`.
 """
 
 from kvevents.consumers.aio import AsyncSubscriber
+from kvevents.consumers.index import (
+    TIERS,
+    BlockIndex,
+    BlockInfo,
+    ChunkSpan,
+    IndexStats,
+    TierSummary,
+    WorkerId,
+    WorkerSummary,
+)
+from kvevents.consumers.router import Candidate, Match, Router, TierWeights
 from kvevents.consumers.seqtrack import StreamTracker
 from kvevents.consumers.sources import CaptureSource, Source, SourceMessage, ZmqSource
 from kvevents.consumers.subscriber import (
@@ -17,15 +28,27 @@ from kvevents.consumers.subscriber import (
 
 __all__ = [
     "ANOMALY_KINDS",
+    "TIERS",
     "Anomaly",
     "AsyncSubscriber",
+    "BlockIndex",
+    "BlockInfo",
+    "Candidate",
     "CaptureSource",
+    "ChunkSpan",
+    "IndexStats",
+    "Match",
     "ReceivedBatch",
+    "Router",
     "Source",
     "SourceMessage",
     "StreamTracker",
     "Subscriber",
     "SubscriberItem",
     "SubscriberStats",
+    "TierSummary",
+    "TierWeights",
+    "WorkerId",
+    "WorkerSummary",
     "ZmqSource",
 ]

@@ -1,0 +1,1113 @@
+"""BlockIndex: which worker holds which prefix on which tier (DESIGN §4).
+
+The index consumes KV event batches from many engines and answers one question fast:
+for a prompt, how many of its leading tokens does each worker hold on GPU, CPU and
+STORAGE?  Its heart is the *join*: a CPU/STORAGE placeholder ``BlockStored([H],
+block_size=0, token_ids=[], group_idx=g)`` says nothing about size or tokens, so the
+index recovers both from the GPU ``BlockStored`` of the same worker, group and hash
+(C§5.3, C§6.1, C§8.6).
+
+Model
+-----
+* A *worker* is ``(source, dp_rank)``.  Per worker and KV-cache group the index keeps
+  GPU metadata per engine hash: block size, parent hash, token span, LoRA name, extra
+  keys (and, with ``keep_token_ids``, the token ids), plus the block's content key.
+* The GPU tier is refcounted per (worker, group, hash); the CPU and STORAGE tiers are
+  refcounted per (worker, group, *chunk-tail* hash).  A chunk is the tail block and its
+  ``blocks_per_chunk - 1`` parents.  Duplicate stores are normal (C§6.1); a removal of a
+  hash the tier never announced is counted and harmless.
+* Metadata outlives the GPU block (bounded by ``gpu_metadata_retention``), because the CPU
+  store may arrive after the GPU removal (C§2.5).  A placeholder whose GPU store has not
+  arrived yet waits in a bounded pending table and joins when it does; one that is pushed
+  out, cleared or reset before it joins is counted as unjoined, never guessed.
+* Matching is by *content*: every engine block ends at a canonical unit boundary
+  (``canonical_block_size`` tokens) whose chained key over tokens, LoRA name and extra
+  keys is independent of the engine's hash algorithm and seed.  A content-key → worker
+  bitset map per tier lets the router walk a prompt's keys once for all workers
+  (see :mod:`kvevents.consumers.router`).
+* Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
+  that the least recently stored entries of the biggest worker are evicted and counted.
+
+Caveat: stores are refcounted as DESIGN §4 asks, so a GPU re-announcement of prefix hits
+(``kv_cache_report_mode="full"``, C§4.3) followed by the block's single removal leaves
+the block counted until a later removal, ``AllBlocksCleared`` or a reset.
+
+Not thread-safe: feed it from one thread (the subscriber's) and query from the same one,
+or guard it with a lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from kvevents.consumers.content import extra_key, root_key
+from kvevents.errors import ConfigError
+from kvevents.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    PREFIX_INDEXABLE_SPEC_KINDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+
+__all__ = [
+    "TIERS",
+    "BlockIndex",
+    "BlockInfo",
+    "ChunkSpan",
+    "IndexStats",
+    "TierSummary",
+    "WorkerId",
+    "WorkerSummary",
+]
+
+logger = logging.getLogger(__name__)
+
+WorkerId = tuple[str, int]
+"""A worker: ``(source, dp_rank)`` (source is the endpoint or capture name)."""
+
+Hash = Union[int, bytes]
+
+TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+"""Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
+_TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
+
+# A metadata record is, for memory, usually one packed int (about 52 bytes):
+#   bits 0-63 content key + 2**63, bit 64 "has a content key",
+#   bits 65-84 end position in blocks + 1 (0: unknown), bits 85-104 block size,
+#   bits 105-169 parent hash + 1 (0: none), bits 170+ the GPU refcount.
+# Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
+# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens, gpu refs).
+# Keeping the GPU refcount in the record saves a dict slot per GPU block.
+_CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS, _GPU = range(8)
+_Meta = Union[int, tuple[Any, ...]]
+_M64 = (1 << 64) - 1
+_M20 = (1 << 20) - 1
+_HAS_CK = 1 << 64
+_OFF = 1 << 63
+_M65 = (1 << 65) - 1
+_GSHIFT = 170
+_G1 = 1 << _GSHIFT
+
+
+def _pack(
+    ck: int | None,
+    end_blocks: int | None,
+    parent: Hash | None,
+    size: int,
+    lora: str | None = None,
+    extra: Any = None,
+    tokens: tuple[int, ...] | None = None,
+) -> _Meta:
+    if (
+        lora is None
+        and extra is None
+        and tokens is None
+        and (parent is None or (type(parent) is int and 0 <= parent <= _M64))
+        and (end_blocks is None or end_blocks < _M20)
+        and 0 < size <= _M20
+    ):
+        v = size << 85
+        if ck is not None:
+            v |= (ck + _OFF) | _HAS_CK
+        if end_blocks is not None:
+            v |= (end_blocks + 1) << 65
+        if parent is not None:
+            v |= (parent + 1) << 105
+        return v
+    return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
+
+
+def _gpu(m: _Meta) -> int:
+    """The record's GPU refcount."""
+    if isinstance(m, int):
+        return m >> _GSHIFT
+    count: int = m[_GPU]
+    return count
+
+
+def _add_gpu(m: _Meta, delta: int) -> _Meta:
+    """The record with its GPU refcount changed by ``delta``."""
+    if isinstance(m, int):
+        return m + delta * _G1
+    return (*m[:_GPU], m[_GPU] + delta)
+
+
+def _ck(m: _Meta) -> int | None:
+    if isinstance(m, int):
+        return (m & _M64) - _OFF if m & _HAS_CK else None
+    ck: int | None = m[_CK]
+    return ck
+
+
+def _size(m: _Meta) -> int:
+    if isinstance(m, int):
+        return (m >> 85) & _M20
+    size: int = m[_SIZE]
+    return size
+
+
+def _end_tokens(m: _Meta) -> int | None:
+    if isinstance(m, int):
+        e = (m >> 65) & _M20
+        return (e - 1) * ((m >> 85) & _M20) if e else None
+    end: int | None = m[_END]
+    return None if end is None else end * int(m[_SIZE])
+
+
+def _parent(m: _Meta) -> Hash | None:
+    if isinstance(m, int):
+        p = (m >> 105) & _M65
+        return p - 1 if p else None
+    parent: Hash | None = m[_PARENT]
+    return parent
+
+
+def _field(m: _Meta, i: int) -> Any:
+    return None if isinstance(m, int) else m[i]
+
+
+@dataclass
+class IndexStats:
+    """Counters of a :class:`BlockIndex` (ints, or Counters by reason/tier label)."""
+
+    batches: int = 0
+    applied: int = 0
+    """Events applied (every event of every batch, whatever its outcome)."""
+    block_events: int = 0
+    """Block hashes processed by stores and removals (the throughput unit)."""
+    stored: Counter[str] = field(default_factory=Counter)
+    """Stored blocks (GPU) or chunks (CPU/STORAGE), by tier."""
+    removed: Counter[str] = field(default_factory=Counter)
+    """Removed blocks or chunks, by tier."""
+    joined: int = 0
+    """Placeholder chunks that found their GPU metadata (immediately or later)."""
+    joined_late: int = 0
+    """Of ``joined``: those that waited in the pending table first."""
+    pending: int = 0
+    """Placeholder chunks that had to wait for their GPU store."""
+    self_describing: int = 0
+    """CPU/STORAGE chunks indexed directly from a self-describing store."""
+    unjoined: Counter[str] = field(default_factory=Counter)
+    """Placeholder chunks never joined, by reason."""
+    skipped: Counter[str] = field(default_factory=Counter)
+    """Blocks or events kept out of prefix matching (or ignored), by reason."""
+    unknown_removals: Counter[str] = field(default_factory=Counter)
+    """Removals of hashes the tier did not hold, by tier."""
+    cleared: int = 0
+    """AllBlocksCleared events applied."""
+    resets: int = 0
+    """reset_worker / remove_worker calls."""
+    evicted_by_cap: int = 0
+    """Resident entries dropped because ``max_blocks`` was reached."""
+    metadata_evicted: int = 0
+    """Retained GPU metadata dropped because ``gpu_metadata_retention`` was reached."""
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """The chunk a CPU/STORAGE tail hash stands for (C§5.3)."""
+
+    hashes: tuple[Hash, ...]
+    """Engine hashes of the chunk's blocks, oldest first, as far as metadata reaches."""
+    start: int | None
+    """First token position of the chunk (``None`` if the position is unknown)."""
+    end: int | None
+    """One past the last token position."""
+    blocks_per_chunk: int
+    tokens: int
+    """``blocks_per_chunk × block_size``."""
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What the index knows about one (worker, group, hash)."""
+
+    group: int
+    block_size: int
+    """Tokens in this engine block."""
+    start: int | None
+    """Token position where the block starts (``None`` if its prefix was never seen)."""
+    end: int | None
+    parent: Hash | None
+    lora_name: str | None
+    extra_keys: Any
+    kind: str | None
+    """The group's ``kv_cache_spec_kind`` (``None`` if never announced)."""
+    tiers: frozenset[str]
+    """Tiers holding this hash (CPU/STORAGE: as a chunk tail)."""
+    indexed: bool
+    """Whether the block takes part in prefix matching."""
+    token_ids: tuple[int, ...] | None = None
+    """The block's tokens (only with ``keep_token_ids=True``)."""
+    chunk: ChunkSpan | None = None
+    """For a CPU/STORAGE chunk tail: the chunk it stands for."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this block (its block size)."""
+        return self.block_size
+
+
+@dataclass(frozen=True)
+class TierSummary:
+    """Blocks (GPU) or chunks (CPU/STORAGE) a worker holds on one tier, and their tokens."""
+
+    entries: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    """Per-tier holdings of one worker (for ``kvevents replay --into-index``)."""
+
+    worker: WorkerId
+    groups: int
+    blocks_per_chunk: int | None
+    tiers: dict[str, TierSummary]
+    retained_metadata: int
+    """Metadata records kept for joins, resident or not."""
+
+
+class _Group:
+    """Per (worker, group) state."""
+
+    __slots__ = ("bit", "block_size", "group", "indexable_kind", "kind", "meta", "refs", "slot")
+
+    def __init__(self, group: int, slot: int) -> None:
+        self.group = group
+        self.slot = slot
+        self.bit = 1 << slot
+        self.block_size = 0
+        self.kind: str | None = None
+        self.indexable_kind = True  # kind None or prefix-indexable: compute content keys
+        self.meta: dict[Hash, _Meta] = {}
+        # CPU and STORAGE refcounts per chunk-tail hash; index 0 stays empty (the GPU
+        # refcount lives in the metadata record).
+        self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
+
+
+class _Worker:
+    __slots__ = ("bpc", "bpc_fixed", "groups", "wid")
+
+    def __init__(self, wid: WorkerId, bpc: int) -> None:
+        self.wid = wid
+        self.groups: dict[int, _Group] = {}
+        self.bpc = bpc  # 0 = unknown
+        self.bpc_fixed = bpc > 0
+
+
+@dataclass
+class _Layout:
+    """What the router's walk needs about slots, rebuilt when slots change."""
+
+    canonical: int
+    gpu_classes: list[tuple[int, int]]
+    """(units per engine block, slot mask) for prefix-indexable slots with a block size."""
+    chunk_classes: list[tuple[int, int]]
+    """(units per chunk, slot mask) for those slots whose worker's blocks_per_chunk is known."""
+    gpu_mask: int
+    chunk_mask: int
+    slot_worker: dict[int, WorkerId]
+    slot_block: dict[int, int]
+    """Engine block size in tokens, per slot."""
+    slot_chunk: dict[int, int]
+    """Chunk size in tokens, per slot (absent: unknown)."""
+    worker_slots: dict[WorkerId, tuple[int, ...]]
+    slot_bit: dict[int, int]
+    """``1 << slot``, precomputed."""
+    worker_align: dict[WorkerId, int]
+    """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
+
+
+def _bpc_lookup(config: int | Mapping[Any, int] | None, wid: WorkerId) -> int:
+    if config is None:
+        return 0
+    if isinstance(config, int):
+        return config
+    for key in (wid, wid[0]):
+        if key in config:
+            return int(config[key])
+    return int(config.get("*", 0))
+
+
+class BlockIndex:
+    """Joins GPU, CPU and STORAGE KV events per worker into a content-keyed prefix index.
+
+    Parameters
+    ----------
+    blocks_per_chunk:
+        GPU blocks per CPU chunk (C§5.2).  An int for every engine, a mapping keyed by
+        :data:`WorkerId` or by source (``"*"`` for the rest), or ``None`` to learn it per
+        worker as the gcd of the block counts at which chunk tails fall.  A learned value
+        is an upper bound that converges down as tails arrive; configure it when known.
+    canonical_block_size:
+        Tokens per content-key unit.  Engine block sizes must be multiples of it for their
+        blocks to take part in matching (others are joined but skipped, counted).
+    max_blocks:
+        Cap on resident (worker, group, hash) entries; LRU eviction beyond it.
+    gpu_metadata_retention:
+        How many non-resident metadata records (GPU removed, CPU not (yet) stored) are
+        kept for late CPU stores and as parents of later stores.
+    max_pending:
+        Cap on placeholder chunks waiting for their GPU store.
+    keep_token_ids:
+        Keep each block's token ids so :meth:`block_info` can return them.
+    """
+
+    def __init__(
+        self,
+        *,
+        blocks_per_chunk: int | Mapping[Any, int] | None = None,
+        canonical_block_size: int = 16,
+        max_blocks: int = 4_000_000,
+        gpu_metadata_retention: int = 200_000,
+        max_pending: int = 100_000,
+        keep_token_ids: bool = False,
+    ) -> None:
+        if canonical_block_size <= 0:
+            raise ConfigError("canonical_block_size must be positive")
+        if max_blocks <= 0 or gpu_metadata_retention < 0 or max_pending < 0:
+            raise ConfigError("max_blocks must be positive; retention and pending >= 0")
+        if isinstance(blocks_per_chunk, int) and blocks_per_chunk <= 0:
+            raise ConfigError("blocks_per_chunk must be positive")
+        self.canonical_block_size = canonical_block_size
+        self.max_blocks = max_blocks
+        self.gpu_metadata_retention = gpu_metadata_retention
+        self.max_pending = max_pending
+        self.keep_token_ids = keep_token_ids
+        self._bpc_config = blocks_per_chunk
+        self.stats = IndexStats()
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._marks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        self._slots: dict[int, tuple[_Worker, _Group]] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._pending: OrderedDict[tuple[WorkerId, int, Hash], list[int]] = OrderedDict()
+        self._retired: OrderedDict[tuple[WorkerId, int, Hash], None] = OrderedDict()
+        self._resident = 0
+        self._layout: _Layout | None = None
+
+    # ------------------------------------------------------------------ feeding
+
+    def apply(self, source: str, dp_rank: int, batch: KVEventBatch) -> None:
+        """Apply every event of ``batch`` from worker ``(source, dp_rank)`` in order."""
+        self.stats.batches += 1
+        w = self._workers.get((source, dp_rank))
+        if w is None:
+            w = self._worker((source, dp_rank))
+        for ev in batch.events:
+            self._apply(w, ev)
+
+    def apply_event(self, worker: WorkerId, event: KVEvent) -> None:
+        """Apply one event from ``worker``."""
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._worker(worker)
+        self._apply(w, event)
+
+    def _apply(self, w: _Worker, ev: KVEvent) -> None:
+        stats = self.stats
+        stats.applied += 1
+        if type(ev) is BlockStored:
+            tier = _TIER_OF.get(ev.medium, -1)
+            n = len(ev.block_hashes)
+            stats.block_events += n
+            if tier == 0:
+                self._store_described(w, ev, 0)
+            elif tier < 0:
+                stats.skipped["unknown_medium"] += n
+            elif ev.block_size > 0 and ev.token_ids:
+                self._store_self_describing(w, ev, tier)
+            elif ev.group_idx is None and any(isinstance(h, bytes) for h in ev.block_hashes):
+                self._legacy_store(w, ev, tier)
+            else:
+                self._store_placeholder(w, ev, tier)
+        elif type(ev) is BlockRemoved:
+            tier = _TIER_OF.get(ev.medium, -1)
+            stats.block_events += len(ev.block_hashes)
+            if tier < 0:
+                stats.skipped["unknown_medium"] += len(ev.block_hashes)
+            elif (
+                tier > 0
+                and ev.group_idx is None
+                and any(isinstance(h, bytes) for h in ev.block_hashes)
+            ):
+                self._legacy_remove(w, ev.block_hashes, tier)
+            else:
+                self._remove(w, ev.group_idx or 0, ev.block_hashes, tier)
+        elif type(ev) is AllBlocksCleared:
+            stats.cleared += 1
+            self._clear_tiers(w, keep_metadata=True)
+        else:  # pragma: no cover - the decoder yields only the three classes
+            stats.skipped["unknown_event"] += 1
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker(self, wid: WorkerId) -> _Worker:
+        w = _Worker(wid, _bpc_lookup(self._bpc_config, wid))
+        self._workers[wid] = w
+        return w
+
+    def _group(self, w: _Worker, group: int) -> _Group:
+        gs = w.groups.get(group)
+        if gs is None:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            gs = _Group(group, slot)
+            w.groups[group] = gs
+            self._slots[slot] = (w, gs)
+            self._layout = None
+        return gs
+
+    def workers(self) -> list[WorkerId]:
+        """Every worker the index has seen (and not removed), sorted."""
+        return sorted(self._workers)
+
+    def reset_worker(self, worker: WorkerId) -> None:
+        """Forget everything a worker holds, metadata included (publisher restart, loss)."""
+        w = self._workers.get(worker)
+        if w is None:
+            return
+        self.stats.resets += 1
+        self._clear_tiers(w, keep_metadata=False)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Forget a worker entirely and free its slots."""
+        w = self._workers.get(worker)
+        if w is None:
+            return
+        self.stats.resets += 1
+        self._clear_tiers(w, keep_metadata=False)
+        for gs in w.groups.values():
+            del self._slots[gs.slot]
+            heapq.heappush(self._free_slots, gs.slot)
+        del self._workers[worker]
+        self._layout = None
+
+    def _clear_tiers(self, w: _Worker, *, keep_metadata: bool) -> None:
+        wid = w.wid
+        for gs in w.groups.values():
+            bit = gs.bit
+            meta = gs.meta
+            gpu_marks = self._marks[0]
+            held: set[Hash] = set()
+            for h, m in meta.items():
+                if _gpu(m):
+                    held.add(h)
+                    ck = _ck(m)
+                    if ck is not None:
+                        _unmark(gpu_marks, ck, bit)
+            for h in held:
+                meta[h] = _add_gpu(meta[h], -_gpu(meta[h]))
+            for tier in (1, 2):
+                refs = gs.refs[tier]
+                marks = self._marks[tier]
+                for h in refs:
+                    tm = gs.meta.get(h)
+                    ck = _ck(tm) if tm is not None else None
+                    if ck is not None:
+                        _unmark(marks, ck, bit)
+                held.update(refs)
+                refs.clear()
+            self._resident -= len(held)
+            if keep_metadata:
+                for h in held:
+                    if h in gs.meta:
+                        self._retire(wid, gs, h)
+            else:
+                for h in gs.meta:
+                    self._retired.pop((wid, gs.group, h), None)
+                gs.meta.clear()
+        if self._pending:
+            dropped = [k for k in self._pending if k[0] == wid]
+            for k in dropped:
+                counts = self._pending.pop(k)
+                self.stats.unjoined["cleared_while_pending"] += counts[1] + counts[2]
+
+    # ------------------------------------------------------------------ stores
+
+    def _store_described(self, w: _Worker, ev: BlockStored, tier: int) -> None:
+        """A store that carries sizes and tokens (every GPU store, self-describing CPU)."""
+        stats = self.stats
+        hashes = ev.block_hashes
+        n = len(hashes)
+        gs = w.groups.get(ev.group_idx or 0)
+        if gs is None:
+            gs = self._group(w, ev.group_idx or 0)
+        size = ev.block_size
+        kind = ev.kv_cache_spec_kind
+        if kind is not None and kind != gs.kind:
+            self._set_kind(w, gs, kind)
+        if size <= 0:
+            stats.skipped["bad_block_size"] += n
+            return
+        if tier == 0 and size != gs.block_size:
+            gs.block_size = size
+            self._layout = None
+        if tier >= 0:
+            stats.stored[TIERS[tier]] += n
+        toks = ev.token_ids
+        need = n * size
+        off = len(toks) - need
+        if off < 0:
+            stats.skipped["short_token_ids"] += n
+            return
+        unit = self.canonical_block_size
+        index_keys = gs.indexable_kind
+        if index_keys and size % unit:
+            stats.skipped["block_size_not_multiple_of_canonical"] += n
+            index_keys = False
+        lora = ev.lora_name
+        extras = ev.extra_keys
+        parent = ev.parent_block_hash
+        meta = gs.meta
+        pk: int | None
+        pend: int | None
+        if parent is None:
+            pk, pend = root_key(lora), 0
+        else:
+            pm = meta.get(parent)
+            if pm is None:
+                pk = pend = None
+            else:
+                pk, pend = _ck(pm), _end_tokens(pm)
+        t = tuple(toks) if index_keys or self.keep_token_ids else ()
+        pending = self._pending
+        for i in range(n):
+            h = hashes[i]
+            m = meta.get(h)
+            ck = _ck(m) if m is not None else None
+            if m is None or (ck is None and pk is not None and index_keys):
+                end = pend + size if pend is not None else None
+                base = off + i * size
+                if index_keys and pk is not None:
+                    k = pk
+                    for a in range(base, base + size, unit):
+                        k = hash((k, t[a : a + unit]))
+                    if extras is not None and i < len(extras) and extras[i] is not None:
+                        k = hash((k, extra_key(extras[i])))
+                    ck = k
+                elif index_keys:
+                    stats.skipped["unknown_parent"] += 1
+                m = _pack(
+                    ck,
+                    end // size if end is not None else None,
+                    parent,
+                    size,
+                    lora,
+                    extras[i] if extras is not None and i < len(extras) else None,
+                    t[base : base + size] if self.keep_token_ids else None,
+                )
+                if h in meta:  # an orphan healed: keep its refcount, re-key its residencies
+                    m = _add_gpu(m, _gpu(meta[h]))
+                    self._rekey(gs, h, meta[h], m)
+                meta[h] = m
+                if pending:
+                    p = pending.pop((w.wid, gs.group, h), None)
+                    if p is not None:
+                        self._join_pending(w, gs, h, m, p)
+                pk, pend = ck, end
+            else:
+                if tier == 0:
+                    # LRU touch: move to the end of the group's insertion order
+                    del meta[h]
+                    meta[h] = m
+                pk, pend = ck, _end_tokens(m)
+            parent = h
+            self._ref(w, gs, tier, h, ck)
+        if tier == 0 and not index_keys and not gs.indexable_kind:
+            stats.skipped["kind:" + (gs.kind or "none")] += n
+
+    def _store_self_describing(self, w: _Worker, ev: BlockStored, tier: int) -> None:
+        gs = w.groups.get(ev.group_idx or 0)
+        if gs is not None and gs.block_size and ev.block_size != gs.block_size:
+            # a partial tail at hash granularity (C§5.8): join its last hash instead
+            self.stats.skipped["self_describing_partial"] += 1
+            self._store_placeholder(w, ev, tier, tails=ev.block_hashes[-1:])
+            return
+        # record metadata for every constituent (no tier refs), then ref the chunk tail
+        self._store_described(w, ev, -1)
+        gs = w.groups[ev.group_idx or 0]
+        if not gs.block_size:
+            gs.block_size = ev.block_size
+            self._layout = None
+        tail = ev.block_hashes[-1]
+        m = gs.meta.get(tail)
+        if m is None:  # pragma: no cover - bad input already counted
+            return
+        self.stats.self_describing += 1
+        self.stats.stored[TIERS[tier]] += 1
+        self._observe_tail(w, gs, m)
+        self._ref(w, gs, tier, tail, _ck(m))
+
+    def _store_placeholder(
+        self, w: _Worker, ev: BlockStored, tier: int, tails: Iterable[Hash] | None = None
+    ) -> None:
+        stats = self.stats
+        gs = w.groups.get(ev.group_idx or 0)
+        if gs is None:
+            gs = self._group(w, ev.group_idx or 0)
+        kind = ev.kv_cache_spec_kind
+        if kind is not None and kind != gs.kind and gs.kind is None:
+            self._set_kind(w, gs, kind)
+        meta = gs.meta
+        for h in ev.block_hashes if tails is None else tails:
+            stats.stored[TIERS[tier]] += 1
+            m = meta.get(h)
+            if m is None:
+                self._add_pending(w.wid, gs.group, h, tier)
+                continue
+            stats.joined += 1
+            self._observe_tail(w, gs, m)
+            self._ref(w, gs, tier, h, _ck(m))
+
+    def _add_pending(self, wid: WorkerId, group: int, h: Hash, tier: int) -> None:
+        self.stats.pending += 1
+        key = (wid, group, h)
+        p = self._pending.get(key)
+        if p is None:
+            p = self._pending[key] = [0, 0, 0]
+        p[tier] += 1
+        while len(self._pending) > self.max_pending:
+            _, old = self._pending.popitem(last=False)
+            if not self.stats.unjoined["pending_overflow"]:
+                logger.warning(
+                    "block index: more than %d CPU/STORAGE stores wait for their GPU store; "
+                    "dropping the oldest (counted as unjoined[pending_overflow])",
+                    self.max_pending,
+                )
+            self.stats.unjoined["pending_overflow"] += old[1] + old[2]
+
+    def _join_pending(self, w: _Worker, gs: _Group, h: Hash, m: _Meta, p: list[int]) -> None:
+        ck = _ck(m)
+        for tier in (1, 2):
+            for _ in range(p[tier]):
+                self.stats.joined += 1
+                self.stats.joined_late += 1
+                self._observe_tail(w, gs, m)
+                self._ref(w, gs, tier, h, ck)
+
+    def _legacy_store(self, w: _Worker, ev: BlockStored, tier: int) -> None:
+        """≤0.23 CPU store: bytes hashes, no group, meaningless block_size (C§9.16).
+
+        Each hash is looked up in every group of the worker, as the raw digest and as its
+        wire int (the digest's last 8 bytes); repeated occurrences of one hash go to the
+        next group that knows it (a hash can key several groups, C§5.3).
+        """
+        used: dict[Hash, int] = {}
+        for raw in ev.block_hashes:
+            self.stats.stored[TIERS[tier]] += 1
+            found = self._legacy_find(w, raw, used, lambda gs, h: h in gs.meta)
+            if found is None:
+                self.stats.unjoined["legacy_unknown_hash"] += 1
+                continue
+            gs, h = found
+            self.stats.joined += 1
+            m = gs.meta[h]
+            self._observe_tail(w, gs, m)
+            self._ref(w, gs, tier, h, _ck(m))
+
+    def _legacy_remove(self, w: _Worker, hashes: Iterable[Hash], tier: int) -> None:
+        used: dict[Hash, int] = {}
+        for raw in hashes:
+            found = self._legacy_find(w, raw, used, lambda gs, h: h in gs.refs[tier])
+            if found is None:
+                self.stats.unknown_removals[TIERS[tier]] += 1
+                continue
+            gs, h = found
+            self._remove(w, gs.group, [h], tier)
+
+    @staticmethod
+    def _legacy_find(
+        w: _Worker, raw: Hash, used: dict[Hash, int], has: Any
+    ) -> tuple[_Group, Hash] | None:
+        forms: list[Hash] = [raw]
+        if isinstance(raw, bytes):
+            forms.append(int.from_bytes(raw[-8:], "big"))
+        skip = used.get(raw, 0)
+        for g in sorted(w.groups):
+            gs = w.groups[g]
+            for h in forms:
+                if has(gs, h):
+                    if skip:
+                        skip -= 1
+                        break
+                    used[raw] = used.get(raw, 0) + 1
+                    return gs, h
+        return None
+
+    # ------------------------------------------------------------------ refs
+
+    def _ref(self, w: _Worker, gs: _Group, tier: int, h: Hash, ck: int | None) -> None:
+        """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
+
+        For the GPU tier the record of ``h`` must exist (it holds the refcount).
+        """
+        if tier < 0:
+            return
+        r = gs.refs
+        if tier == 0:
+            meta = gs.meta
+            m = meta[h]
+            if isinstance(m, int):
+                c = m >> _GSHIFT
+                meta[h] = m + _G1
+            else:
+                c = m[_GPU]
+                meta[h] = _add_gpu(m, 1)
+            if c:
+                return
+            elsewhere = h in r[1] or h in r[2]
+        else:
+            refs = r[tier]
+            c = refs.get(h, 0)
+            refs[h] = c + 1
+            if c:
+                return
+            om = gs.meta.get(h)
+            elsewhere = (om is not None and _gpu(om) > 0) or h in r[3 - tier]
+        if ck is not None:
+            marks = self._marks[tier]
+            v = marks.get(ck)
+            # a key held by one slot shares the slot's bit object (no new int)
+            marks[ck] = gs.bit if v is None else v | gs.bit
+        if elsewhere:
+            return
+        self._resident += 1
+        if self._retired:
+            self._retired.pop((w.wid, gs.group, h), None)
+        if self._resident > self.max_blocks:
+            self._evict()
+
+    def _remove(self, w: _Worker, group: int, hashes: Iterable[Hash], tier: int) -> None:
+        gs = w.groups.get(group)
+        if gs is None:
+            for h in hashes:
+                self._remove_unknown(w, None, group, h, tier)
+            return
+        r = gs.refs
+        refs = r[tier]
+        marks = self._marks[tier]
+        meta = gs.meta
+        bit = gs.bit
+        retired = self._retired
+        wid = w.wid
+        removed = 0
+        for h in hashes:
+            if tier == 0:
+                m = meta.get(h)
+                c = 0 if m is None else _gpu(m)
+                if not c or m is None:
+                    self._remove_unknown(w, gs, group, h, tier)
+                    continue
+                removed += 1
+                meta[h] = _add_gpu(m, -1)
+                if c > 1:
+                    continue
+                elsewhere = h in r[1] or h in r[2]
+            else:
+                cc = refs.get(h)
+                if cc is None:
+                    self._remove_unknown(w, gs, group, h, tier)
+                    continue
+                removed += 1
+                if cc > 1:
+                    refs[h] = cc - 1
+                    continue
+                del refs[h]
+                m = meta.get(h)
+                elsewhere = (m is not None and _gpu(m) > 0) or h in r[3 - tier]
+            if m is not None:
+                ck = _ck(m)
+                if ck is not None:
+                    v = marks.get(ck)
+                    if v is not None:
+                        v &= ~bit
+                        if v:
+                            marks[ck] = v
+                        else:
+                            del marks[ck]
+            if not elsewhere:
+                self._resident -= 1
+                retired[(wid, group, h)] = None
+                if len(retired) > self.gpu_metadata_retention:
+                    self._trim_retired()
+        if removed:
+            self.stats.removed[TIERS[tier]] += removed
+
+    def _remove_unknown(
+        self, w: _Worker, gs: _Group | None, group: int, h: Hash, tier: int
+    ) -> None:
+        if tier and self._pending:
+            p = self._pending.get((w.wid, group, h))
+            if p is not None and p[tier] > 0:
+                p[tier] -= 1
+                self.stats.unjoined["removed_while_pending"] += 1
+                if not (p[1] or p[2]):
+                    del self._pending[(w.wid, group, h)]
+                return
+        if tier and gs is not None and h in gs.meta:
+            # fan-out of a chunk's non-tail constituents (C§5.8): harmless
+            self.stats.skipped["removed_non_tail"] += 1
+            return
+        self.stats.unknown_removals[TIERS[tier]] += 1
+
+    @staticmethod
+    def _held(gs: _Group, h: Hash) -> bool:
+        """Whether any tier holds ``h`` in this group."""
+        m = gs.meta.get(h)
+        r = gs.refs
+        return (m is not None and _gpu(m) > 0) or h in r[1] or h in r[2]
+
+    def _retire(self, wid: WorkerId, gs: _Group, h: Hash) -> None:
+        self._retired[(wid, gs.group, h)] = None
+        if len(self._retired) > self.gpu_metadata_retention:
+            self._trim_retired()
+
+    def _trim_retired(self) -> None:
+        retired = self._retired
+        while len(retired) > self.gpu_metadata_retention:
+            (owid, ogroup, oh), _ = retired.popitem(last=False)
+            ow = self._workers.get(owid)
+            ogs = ow.groups.get(ogroup) if ow is not None else None
+            if ogs is None:
+                continue
+            if oh in ogs.meta and not self._held(ogs, oh):
+                del ogs.meta[oh]
+                self.stats.metadata_evicted += 1
+
+    def _rekey(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
+        old_ck, new_ck = _ck(old), _ck(new)
+        for tier in range(3):
+            if (_gpu(old) > 0) if tier == 0 else (h in gs.refs[tier]):
+                marks = self._marks[tier]
+                if old_ck is not None:
+                    _unmark(marks, old_ck, gs.bit)
+                if new_ck is not None:
+                    v = marks.get(new_ck)
+                    marks[new_ck] = gs.bit if v is None else v | gs.bit
+
+    def _evict(self) -> None:
+        """Drop the least recently stored resident entries of the biggest worker group."""
+        batch = max(1, self.max_blocks // 100)
+        while self._resident > self.max_blocks - batch + 1 and self._slots:
+            _, gs = max(self._slots.values(), key=lambda s: len(s[1].meta))
+            victims = []
+            for h in gs.meta:
+                if self._held(gs, h):
+                    victims.append(h)
+                    if len(victims) >= batch:
+                        break
+            if not victims:
+                return
+            for h in victims:
+                m = gs.meta.pop(h)
+                ck = _ck(m)
+                for tier in range(3):
+                    held = _gpu(m) > 0 if tier == 0 else gs.refs[tier].pop(h, None) is not None
+                    if held and ck is not None:
+                        _unmark(self._marks[tier], ck, gs.bit)
+                self._resident -= 1
+                self.stats.evicted_by_cap += 1
+
+    # ------------------------------------------------------------------ learning
+
+    def _set_kind(self, w: _Worker, gs: _Group, kind: str) -> None:
+        gs.kind = kind
+        gs.indexable_kind = kind in PREFIX_INDEXABLE_SPEC_KINDS
+        self._layout = None
+
+    def _observe_tail(self, w: _Worker, gs: _Group, m: _Meta) -> None:
+        if w.bpc_fixed:
+            return
+        end = _end_tokens(m)
+        size = gs.block_size or _size(m)
+        if end is None or size <= 0 or end % size:
+            return
+        bpc = math.gcd(w.bpc, end // size)
+        if bpc and bpc != w.bpc:
+            w.bpc = bpc
+            self._layout = None
+
+    def blocks_per_chunk(self, worker: WorkerId) -> int | None:
+        """The worker's blocks per chunk: configured, learned so far, or ``None``."""
+        w = self._workers.get(worker)
+        if w is None:
+            return _bpc_lookup(self._bpc_config, worker) or None
+        return w.bpc or None
+
+    # ------------------------------------------------------------------ queries
+
+    def block_info(self, worker: WorkerId, group: int, block_hash: Hash) -> BlockInfo | None:
+        """What the index knows about ``block_hash`` in ``group`` of ``worker``, or None."""
+        w = self._workers.get(worker)
+        gs = w.groups.get(group) if w is not None else None
+        m = gs.meta.get(block_hash) if gs is not None else None
+        if w is None or gs is None or m is None:
+            return None
+        tiers = frozenset(
+            TIERS[t] for t in range(3) if (_gpu(m) > 0 if t == 0 else block_hash in gs.refs[t])
+        )
+        chunk = None
+        if w.bpc and (block_hash in gs.refs[1] or block_hash in gs.refs[2]):
+            hashes: list[Hash] = [block_hash]
+            cur = m
+            while len(hashes) < w.bpc:
+                up = _parent(cur)
+                if up is None:
+                    break
+                hashes.append(up)
+                nxt = gs.meta.get(up)
+                if nxt is None:
+                    break
+                cur = nxt
+            size = gs.block_size or _size(m)
+            span = w.bpc * size
+            end = _end_tokens(m)
+            chunk = ChunkSpan(
+                hashes=tuple(reversed(hashes)),
+                start=end - span if end is not None else None,
+                end=end,
+                blocks_per_chunk=w.bpc,
+                tokens=span,
+            )
+        end = _end_tokens(m)
+        return BlockInfo(
+            group=group,
+            block_size=_size(m),
+            start=end - _size(m) if end is not None else None,
+            end=end,
+            parent=_parent(m),
+            lora_name=_field(m, _LORA),
+            extra_keys=_field(m, _EXTRA),
+            kind=gs.kind,
+            tiers=tiers,
+            indexed=_ck(m) is not None and self._slot_indexable(w, gs),
+            token_ids=_field(m, _TOKENS),
+            chunk=chunk,
+        )
+
+    def summary(self) -> dict[WorkerId, WorkerSummary]:
+        """Per worker and tier: entries held (blocks on GPU, chunks elsewhere) and tokens."""
+        out: dict[WorkerId, WorkerSummary] = {}
+        for wid in sorted(self._workers):
+            w = self._workers[wid]
+            counts = [[0, 0], [0, 0], [0, 0]]
+            retained = 0
+            for gs in w.groups.values():
+                retained += len(gs.meta)
+                for m in gs.meta.values():
+                    if _gpu(m):
+                        counts[0][0] += 1
+                        counts[0][1] += _size(m)
+                for tier in (1, 2):
+                    for h in gs.refs[tier]:
+                        tm = gs.meta.get(h)
+                        size = _size(tm) if tm is not None else 0
+                        counts[tier][0] += 1
+                        counts[tier][1] += size * (w.bpc or 1)
+            out[wid] = WorkerSummary(
+                worker=wid,
+                groups=len(w.groups),
+                blocks_per_chunk=w.bpc or None,
+                tiers={TIERS[t]: TierSummary(counts[t][0], counts[t][1]) for t in range(3)},
+                retained_metadata=retained,
+            )
+        return out
+
+    @property
+    def pending_count(self) -> int:
+        """Placeholder (worker, group, hash) entries now waiting for their GPU store."""
+        return len(self._pending)
+
+    @property
+    def resident_count(self) -> int:
+        """Resident (worker, group, hash) entries (held on at least one tier)."""
+        return self._resident
+
+    def __len__(self) -> int:
+        return self._resident
+
+    # ------------------------------------------------------------------ for the router
+
+    def _slot_indexable(self, w: _Worker, gs: _Group) -> bool:
+        if gs.kind is None:
+            return len(w.groups) == 1
+        return gs.kind in PREFIX_INDEXABLE_SPEC_KINDS
+
+    def layout(self) -> _Layout:
+        """Slot classes for the router's walk (cached until slots change)."""
+        if self._layout is not None:
+            return self._layout
+        unit = self.canonical_block_size
+        gpu: dict[int, int] = {}
+        chunk: dict[int, int] = {}
+        slot_worker: dict[int, WorkerId] = {}
+        slot_block: dict[int, int] = {}
+        slot_chunk: dict[int, int] = {}
+        worker_slots: dict[WorkerId, list[int]] = {}
+        for slot, (w, gs) in self._slots.items():
+            size = gs.block_size
+            if not size or size % unit or not self._slot_indexable(w, gs):
+                continue
+            slot_worker[slot] = w.wid
+            slot_block[slot] = size
+            worker_slots.setdefault(w.wid, []).append(slot)
+            u = size // unit
+            gpu[u] = gpu.get(u, 0) | gs.bit
+            if w.bpc:
+                slot_chunk[slot] = size * w.bpc
+                v = u * w.bpc
+                chunk[v] = chunk.get(v, 0) | gs.bit
+        self._layout = _Layout(
+            canonical=unit,
+            gpu_classes=sorted(gpu.items()),
+            chunk_classes=sorted(chunk.items()),
+            gpu_mask=_or_all(gpu.values()),
+            chunk_mask=_or_all(chunk.values()),
+            slot_worker=slot_worker,
+            slot_block=slot_block,
+            slot_chunk=slot_chunk,
+            worker_slots={k: tuple(v) for k, v in worker_slots.items()},
+            slot_bit={s: 1 << s for s in slot_worker},
+            worker_align={
+                k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
+            },
+        )
+        return self._layout
+
+    def marks(self, tier: int) -> dict[int, int]:
+        """Content key → bitset of slots holding a block (GPU) or chunk ending there."""
+        return self._marks[tier]
+
+
+def _unmark(marks: dict[int, int], ck: int, bit: int) -> None:
+    v = marks.get(ck)
+    if v is None:
+        return
+    v &= ~bit
+    if v:
+        marks[ck] = v
+    else:
+        del marks[ck]
+
+
+def _or_all(values: Iterable[int]) -> int:
+    out = 0
+    for v in values:
+        out |= v
+    return out

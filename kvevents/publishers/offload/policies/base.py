@@ -1,0 +1,135 @@
+"""The cache-policy interface of :class:`~kvevents.publishers.offload.CPUOffloadingManager`.
+
+A policy orders the chunks the manager holds and chooses eviction victims (C§5.5).  The
+manager owns the chunk slots and reference counts; the policy owns recency.
+
+Contracts:
+
+* :meth:`CachePolicy.evict` is **atomic**: it returns exactly ``n`` ``(key, chunk)``
+  pairs, removing them, or ``None`` having changed nothing.  It only takes chunks whose
+  ``ref_cnt == 0`` (ready and unpinned) and whose key is not in ``protected``.
+* :meth:`CachePolicy.mark_evictable` / :meth:`CachePolicy.mark_non_evictable` are
+  called by the manager when a chunk's ``ref_cnt`` becomes / stops being 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+from kvevents.publishers.offload.base import OffloadKey, ReqContext
+
+__all__ = ["CachePolicy", "ChunkStatus"]
+
+
+class ChunkStatus:
+    """One CPU chunk slot held for a key.
+
+    ``ref_cnt`` is ``-1`` while the write is in flight (not ready), ``0`` when ready and
+    evictable, and ``> 0`` while pinned by that many loads.
+    """
+
+    __slots__ = ("chunk_id", "ref_cnt")
+
+    def __init__(self, chunk_id: int) -> None:
+        self.chunk_id = chunk_id
+        self.ref_cnt = -1
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the chunk's data has been written (loadable)."""
+        return self.ref_cnt >= 0
+
+    @property
+    def is_evictable(self) -> bool:
+        """Ready and not pinned."""
+        return self.ref_cnt == 0
+
+    def __repr__(self) -> str:
+        return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
+
+
+class CachePolicy(ABC):
+    """Recency bookkeeping and victim choice over ``capacity`` chunk slots."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+
+    # --- membership ---------------------------------------------------------------------
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        """The chunk held for ``key``, or ``None``."""
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, ctx: ReqContext) -> None:
+        """Start tracking ``key`` (its chunk is not ready yet, so not evictable)."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Stop tracking ``key`` (a failed store); no ghost history is kept for it."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[OffloadKey]:
+        """Every tracked key (in no promised order)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked keys."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.get(key) is not None  # type: ignore[arg-type]
+
+    # --- recency ------------------------------------------------------------------------
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Mark ``keys`` recently used, walking them in reverse so ``keys[0]`` ends MRU."""
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``keys`` were offered for storing and are absent (once per request per key).
+
+        Default: :meth:`touch`.
+        """
+        self.touch(keys, ctx)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """A request accessed ``keys`` that the tier already holds.  Default: no-op."""
+        return None
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: set[OffloadKey],
+        reused: set[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """A request finished; ``key_groups`` are its keys per KV group, head to tail.
+
+        ``insertion_only`` are keys it stored and never loaded, ``reused`` keys it
+        loaded.  Default: touch each group, so the request's head ends most recent.
+        """
+        for group in reversed(key_groups):
+            self.touch(group, ctx)
+
+    # --- eviction -----------------------------------------------------------------------
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        """Remove and return exactly ``n`` evictable, unprotected chunks, or ``None``."""
+
+    @abstractmethod
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key``'s chunk became evictable (``ref_cnt`` reached 0)."""
+
+    @abstractmethod
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """``key``'s chunk was pinned (``ref_cnt`` left 0)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything (cache reset)."""

@@ -1,0 +1,528 @@
+"""Device ↔ host block transfers for the CPU offload tier (the only torch module; C§5.6).
+
+Layout:
+
+* every device KV tensor has the block index as its first dimension and is viewed as
+  bytes, ``(num_blocks, page_bytes)``; several tensors (layers, K and V) share one block
+  table, so a transfer copies the same block ids in each;
+* :class:`HostChunkBuffers` holds, per device tensor, a host tensor of
+  ``(num_chunks, page_bytes × blocks_per_chunk)`` bytes (pinned when CUDA is present),
+  viewed as ``(num_chunks × blocks_per_chunk, page_bytes)`` rows: device block ``j`` of
+  chunk ``c`` lives in row ``c·blocks_per_chunk + j``.
+
+Copies are batched and move every byte once.  On CPU the transfer's rows are sorted and
+split into runs of consecutive rows, either on the destination side (one
+``index_select(src, 0, idx, out=dst[run])`` per run) or on the source side (one
+``dst.index_copy_(0, idx, src[run])`` per run), whichever gives fewer calls; there is no
+Python loop per block.  Rows are viewed with the widest integer type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is one asynchronous
+copy on a side stream that waits for the compute stream; transfers stay in submission
+order and report their device time.
+
+:class:`CPUTransferWorker` reports completion through
+:meth:`CPUTransferWorker.get_finished`; :class:`OffloadTransferDriver` turns those
+reports into ``complete_store`` / ``complete_load`` calls on the manager.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvevents.errors import OffloadError
+from kvevents.publishers.offload.base import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    TransferResult,
+)
+
+__all__ = [
+    "CPUTransferWorker",
+    "HostChunkBuffers",
+    "OffloadTransferDriver",
+    "TransferStats",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (block index first, contiguous) as a ``(num_blocks, page_bytes)`` int8 view."""
+    if not t.is_contiguous():
+        raise OffloadError("KV tensors must be contiguous with the block index first")
+    return t.reshape(t.shape[0], -1).view(torch.int8)
+
+
+def _widest(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 row view re-viewed with the widest integer type that tiles its pages.
+
+    Copy kernels move wide elements several times faster than bytes; the bits are the
+    same.
+    """
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows.shape[1] % size == 0 and rows.data_ptr() % size == 0:
+            return rows.view(dtype)
+    return rows
+
+
+class HostChunkBuffers:
+    """Host chunk tensors mirroring a set of device KV tensors.
+
+    ``pin_memory`` defaults to ``torch.cuda.is_available()`` (pinned host memory is what
+    makes device copies asynchronous).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        num_chunks: int,
+        blocks_per_chunk: int = 1,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not kv_caches:
+            raise OffloadError("need at least one KV tensor")
+        if num_chunks <= 0 or blocks_per_chunk <= 0:
+            raise OffloadError("num_chunks and blocks_per_chunk must be positive")
+        self.device_rows = [_byte_rows(t) for t in kv_caches]
+        num_blocks = {r.shape[0] for r in self.device_rows}
+        devices = {r.device for r in self.device_rows}
+        if len(num_blocks) != 1 or len(devices) != 1:
+            raise OffloadError("all KV tensors must share one device and one block count")
+        self.device = devices.pop()
+        self.num_device_blocks = num_blocks.pop()
+        self.num_chunks = num_chunks
+        self.blocks_per_chunk = blocks_per_chunk
+        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.host: list[torch.Tensor] = [
+            torch.zeros(
+                (num_chunks, r.shape[1] * blocks_per_chunk),
+                dtype=torch.int8,
+                pin_memory=self.pinned,
+            )
+            for r in self.device_rows
+        ]
+        self.host_rows = [
+            h.view(num_chunks * blocks_per_chunk, r.shape[1])
+            for h, r in zip(self.host, self.device_rows)
+        ]
+        # Same bytes, widest element type: what the copy kernels work on.
+        self.device_words = [_widest(r) for r in self.device_rows]
+        self.host_words = [
+            h.view(w.dtype) if w.dtype != torch.int8 else h
+            for h, w in zip(self.host_rows, self.device_words)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one device block over all KV tensors."""
+        return sum(int(r.shape[1]) for r in self.device_rows)
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """Bytes of one host chunk over all KV tensors."""
+        return self.bytes_per_block * self.blocks_per_chunk
+
+
+@dataclass
+class TransferStats:
+    """Counters of a :class:`CPUTransferWorker`."""
+
+    stores: int = 0
+    loads: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    """Failed jobs by reason (``copy_error``)."""
+
+
+Runs = list[tuple[int, int, int]]  # (destination start, index start, length)
+
+
+def _runs(
+    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], *, unique: bool = True
+) -> tuple[Runs, torch.Tensor]:
+    """Sort by ``dst``; split into runs of consecutive ``dst`` values.
+
+    Returns the runs and the ``src`` values in that order (an int64 tensor).  With
+    ``unique``, a repeated ``dst`` value raises :class:`OffloadError`.
+    """
+    order = np.argsort(dst, kind="stable")
+    dst = dst[order]
+    if unique and dst.size > 1 and np.any(np.diff(dst) == 0):
+        raise OffloadError("a destination block or chunk is named twice in one transfer")
+    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    ends = np.concatenate((breaks, [dst.size])).astype(np.int64)
+    runs = [(int(dst[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
+    return runs, torch.from_numpy(np.ascontiguousarray(src[order]))
+
+
+def _run_views(table: torch.Tensor, runs: Runs) -> list[torch.Tensor]:
+    """Views of ``table``'s rows for each run (runs sorted by first row, disjoint).
+
+    One ``split`` call builds every view, cheaper than slicing run by run.
+    """
+    sizes: list[int] = []
+    picks: list[int] = []
+    pos = 0
+    for first, _, length in runs:
+        if first > pos:
+            sizes.append(first - pos)
+        picks.append(len(sizes))
+        sizes.append(length)
+        pos = first + length
+    if pos < table.shape[0]:
+        sizes.append(table.shape[0] - pos)
+    parts = table.split(sizes)
+    return [parts[i] for i in picks]
+
+
+@dataclass
+class _Plan:
+    blocks: npt.NDArray[np.int64]  # device block ids, transfer order
+    rows: npt.NDArray[np.int64]  # host rows, aligned with ``blocks``
+    host_runs: Runs  # runs of consecutive host rows …
+    device_idx: torch.Tensor  # … and the device blocks in that order
+    num_blocks: int
+
+
+@dataclass
+class _Job:
+    job_id: int
+    nbytes: int
+    start_wall: float
+    success: bool = True
+    start_event: Any = None
+    end_event: Any = None
+    seconds: float = 0.0
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+class CPUTransferWorker:
+    """Copies device blocks into host chunks (store) and back (load).
+
+    CPU tensors: the copy runs inside ``submit_*`` and the job is finished at once.
+    CUDA tensors: the copy is queued on a side stream; :meth:`get_finished` reports
+    jobs in submission order once their copies are done, and :meth:`wait` blocks.
+    A load's data is visible to the compute stream after :meth:`wait` (or once reported
+    finished).  The device blocks of a store must not be overwritten before the job is
+    reported finished (the copy may still be reading them).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor] | None = None,
+        num_chunks: int = 0,
+        blocks_per_chunk: int = 1,
+        *,
+        pin_memory: bool | None = None,
+        buffers: HostChunkBuffers | None = None,
+    ) -> None:
+        if buffers is None:
+            if kv_caches is None:
+                raise OffloadError("give kv_caches and num_chunks, or buffers")
+            buffers = HostChunkBuffers(
+                kv_caches, num_chunks, blocks_per_chunk, pin_memory=pin_memory
+            )
+        self.buffers = buffers
+        self.is_cuda = buffers.device.type == "cuda"
+        self._streams: dict[str, Any] = {}
+        self._last_end: Any = None
+        self._jobs: deque[_Job] = deque()
+        self.stats = TransferStats()
+
+    # --- planning ----------------------------------------------------------------------
+
+    def _plan(
+        self,
+        device_spec: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any],
+        chunks: CPULoadStoreSpec,
+    ) -> _Plan:
+        b = self.buffers
+        spec = (
+            device_spec
+            if isinstance(device_spec, GPULoadStoreSpec)
+            else GPULoadStoreSpec(device_spec)
+        )
+        if len(spec.group_sizes) != 1:
+            raise OffloadError("one block table per transfer: multi-group specs are not supported")
+        blocks = spec.block_ids.astype(np.int64)
+        chunk_ids = chunks.block_ids.astype(np.int64)
+        bpc = b.blocks_per_chunk
+        skip = spec.block_indices[0] % bpc
+        n = int(blocks.size)
+        if n + skip > chunk_ids.size * bpc or n + skip <= (chunk_ids.size - 1) * bpc:
+            raise OffloadError(
+                f"{n} device blocks (skipping {skip}) do not fill {chunk_ids.size} chunk(s) "
+                f"of {bpc} blocks"
+            )
+        if n and (blocks.min() < 0 or blocks.max() >= b.num_device_blocks):
+            raise OffloadError(f"device block ids must be in [0, {b.num_device_blocks})")
+        if chunk_ids.size and (chunk_ids.min() < 0 or chunk_ids.max() >= b.num_chunks):
+            raise OffloadError(f"chunk ids must be in [0, {b.num_chunks})")
+        slots = np.arange(skip, skip + n, dtype=np.int64)
+        rows = chunk_ids[slots // bpc] * bpc + slots % bpc
+        runs, idx = _runs(rows, blocks)
+        return _Plan(blocks=blocks, rows=rows, host_runs=runs, device_idx=idx, num_blocks=n)
+
+    # --- copies --------------------------------------------------------------------------
+
+    def _stream(self, direction: str) -> Any:
+        stream = self._streams.get(direction)
+        if stream is None:
+            stream = torch.cuda.Stream(device=self.buffers.device)
+            self._streams[direction] = stream
+        return stream
+
+    def _copy_cpu(self, plan: _Plan, store: bool) -> None:
+        # Every byte moves once: either gather each run of consecutive destination rows
+        # with ``index_select(..., out=dst[run])``, or scatter each run of consecutive
+        # source rows with ``dst.index_copy_(0, idx, src[run])``, whichever needs fewer
+        # calls.  Rows are viewed with the widest integer type that tiles them.
+        src_pos, dst_pos = (plan.blocks, plan.rows) if store else (plan.rows, plan.blocks)
+        if store:
+            gather_runs, gather_idx = plan.host_runs, plan.device_idx
+        else:
+            gather_runs, gather_idx = _runs(dst_pos, src_pos)
+        scatter_runs, scatter_idx = _runs(src_pos, dst_pos, unique=False)
+        # Scatter only from distinct source rows (run views must not overlap).
+        gather = len(gather_runs) <= len(scatter_runs) or np.unique(src_pos).size != src_pos.size
+        runs, idx = (gather_runs, gather_idx) if gather else (scatter_runs, scatter_idx)
+        idx_parts = idx.split([length for _, _, length in runs])  # views, built in C++
+        for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
+            src, dst = (dev, host) if store else (host, dev)
+            if gather:
+                for part, out in zip(idx_parts, _run_views(dst, runs)):
+                    torch.index_select(src, 0, part, out=out)
+            else:
+                for part, rows in zip(idx_parts, _run_views(src, runs)):
+                    dst.index_copy_(0, part, rows)
+
+    def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
+        stream = self._stream("store" if store else "load")
+        compute = torch.cuda.current_stream(self.buffers.device)
+        job.start_event = torch.cuda.Event(enable_timing=True)
+        job.end_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            stream.wait_stream(compute)  # stores wait for the model's writes
+            if self._last_end is not None:
+                stream.wait_event(self._last_end)  # keep transfers in submission order
+            job.start_event.record(stream)
+            idx = plan.device_idx.to(self.buffers.device, non_blocking=True)
+            for dev, host in zip(self.buffers.device_rows, self.buffers.host_rows):
+                if store:
+                    staging = dev.index_select(0, idx)
+                    for row, start, length in plan.host_runs:
+                        host[row : row + length].copy_(
+                            staging[start : start + length], non_blocking=True
+                        )
+                else:
+                    staging = torch.empty(
+                        (plan.num_blocks, dev.shape[1]), dtype=dev.dtype, device=dev.device
+                    )
+                    for row, start, length in plan.host_runs:
+                        staging[start : start + length].copy_(
+                            host[row : row + length], non_blocking=True
+                        )
+                    dev.index_copy_(0, idx, staging)
+                job.keep.append(staging)
+            job.keep.append(idx)
+            job.end_event.record(stream)
+        self._last_end = job.end_event
+
+    def _submit(
+        self,
+        job_id: int,
+        device_spec: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any],
+        chunks: CPULoadStoreSpec,
+        store: bool,
+    ) -> None:
+        plan = self._plan(device_spec, chunks)
+        if not store and np.unique(plan.blocks).size != plan.num_blocks:
+            raise OffloadError("a destination block or chunk is named twice in one transfer")
+        nbytes = plan.num_blocks * self.buffers.bytes_per_block
+        job = _Job(job_id=job_id, nbytes=nbytes, start_wall=time.perf_counter())
+        try:
+            if self.is_cuda:
+                self._copy_cuda(plan, store, job)
+            else:
+                self._copy_cpu(plan, store)
+                job.seconds = time.perf_counter() - job.start_wall
+        except (RuntimeError, IndexError) as exc:
+            logger.error("transfer job %d failed: %s", job_id, exc)
+            self.stats.failures["copy_error"] += 1
+            job.success = False
+            job.start_event = job.end_event = None
+            job.seconds = time.perf_counter() - job.start_wall
+        if store:
+            self.stats.stores += 1
+            self.stats.blocks_stored += plan.num_blocks
+            self.stats.bytes_stored += nbytes if job.success else 0
+        else:
+            self.stats.loads += 1
+            self.stats.blocks_loaded += plan.num_blocks
+            self.stats.bytes_loaded += nbytes if job.success else 0
+        self._jobs.append(job)
+
+    def submit_store(
+        self,
+        job_id: int,
+        src: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any],
+        dst: CPULoadStoreSpec,
+    ) -> None:
+        """Copy device blocks ``src`` into host chunks ``dst`` (``blocks_per_chunk`` each).
+
+        Raises :class:`OffloadError` (nothing copied) for ids out of range or counts that
+        do not fill the chunks.
+        """
+        self._submit(job_id, src, dst, store=True)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src: CPULoadStoreSpec,
+        dst: GPULoadStoreSpec | Sequence[int] | npt.NDArray[Any],
+    ) -> None:
+        """Copy host chunks ``src`` into device blocks ``dst``; errors as :meth:`submit_store`."""
+        self._submit(job_id, dst, src, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Pop the finished jobs, in submission order."""
+        out: list[TransferResult] = []
+        while self._jobs:
+            job = self._jobs[0]
+            if job.end_event is not None:
+                if not job.end_event.query():
+                    break
+                job.seconds = job.start_event.elapsed_time(job.end_event) / 1e3
+            self._jobs.popleft()
+            out.append(
+                TransferResult(
+                    job.job_id, job.success, job.nbytes if job.success else 0, job.seconds
+                )
+            )
+        return out
+
+    def wait(self, job_ids: Iterable[int] | None = None) -> None:
+        """Block until the given jobs (default: all submitted) have finished copying."""
+        wanted = None if job_ids is None else set(job_ids)
+        for job in list(self._jobs):
+            if job.end_event is not None and (wanted is None or job.job_id in wanted):
+                job.end_event.synchronize()
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs submitted and not yet returned by :meth:`get_finished`."""
+        return len(self._jobs)
+
+
+class OffloadTransferDriver:
+    """Drives a manager with a transfer worker: prepare → submit → finish → complete.
+
+    ``device_blocks`` maps each key to the ``blocks_per_chunk`` device block ids of its
+    chunk (for a store: where the data is; for a load: where it goes).
+    """
+
+    def __init__(self, manager: OffloadingManager, worker: CPUTransferWorker) -> None:
+        self.manager = manager
+        self.worker = worker
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[bool, list[OffloadKey], ReqContext | None]] = {}
+
+    def _blocks(
+        self, keys: Sequence[OffloadKey], device_blocks: Mapping[OffloadKey, Sequence[int]]
+    ) -> list[int]:
+        out: list[int] = []
+        for key in keys:
+            try:
+                out.extend(int(b) for b in device_blocks[key])
+            except KeyError:
+                raise OffloadError(f"no device blocks given for key {key!r}") from None
+        return out
+
+    def store(
+        self,
+        keys: Sequence[OffloadKey],
+        device_blocks: Mapping[OffloadKey, Sequence[int]],
+        ctx: ReqContext | None = None,
+    ) -> PrepareStoreOutput | None:
+        """``prepare_store`` then submit the copy of the keys it chose; ``None`` if refused.
+
+        If the copy cannot be submitted the store is completed as failed and the error
+        re-raised, so the manager is left consistent.
+        """
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None or not out.keys_to_store:
+            return out
+        if not isinstance(out.store_spec, CPULoadStoreSpec):
+            raise OffloadError("the manager's store spec is not a CPU chunk spec")
+        job_id = next(self._ids)
+        try:
+            self.worker.submit_store(
+                job_id, self._blocks(out.keys_to_store, device_blocks), out.store_spec
+            )
+        except Exception:
+            self.manager.complete_store(out.keys_to_store, ctx, success=False)
+            raise
+        self._pending[job_id] = (True, list(out.keys_to_store), ctx)
+        return out
+
+    def load(
+        self,
+        keys: Sequence[OffloadKey],
+        device_blocks: Mapping[OffloadKey, Sequence[int]],
+        ctx: ReqContext | None = None,
+    ) -> int:
+        """``prepare_load`` (pins) then submit the copy; returns the job id."""
+        blocks = self._blocks(keys, device_blocks)
+        spec = self.manager.prepare_load(keys, ctx)
+        if not isinstance(spec, CPULoadStoreSpec):
+            self.manager.complete_load(keys, ctx)
+            raise OffloadError("the manager's load spec is not a CPU chunk spec")
+        job_id = next(self._ids)
+        try:
+            self.worker.submit_load(job_id, spec, blocks)
+        except Exception:
+            self.manager.complete_load(keys, ctx)
+            raise
+        self._pending[job_id] = (False, list(keys), ctx)
+        return job_id
+
+    def poll(self) -> list[TransferResult]:
+        """Report finished jobs to the manager; returns their results."""
+        results = self.worker.get_finished()
+        for result in results:
+            entry = self._pending.pop(result.job_id, None)
+            if entry is None:
+                continue
+            is_store, keys, ctx = entry
+            if is_store:
+                self.manager.complete_store(keys, ctx, success=result.success)
+            else:
+                self.manager.complete_load(keys, ctx)
+        return results
+
+    def flush(self) -> list[TransferResult]:
+        """Wait for every submitted job, then :meth:`poll`."""
+        self.worker.wait()
+        return self.poll()
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs submitted whose completion has not reached the manager yet."""
+        return len(self._pending)

@@ -1,0 +1,219 @@
+"""Torch block transfers: device KV blocks → host chunks → other device blocks, bit-exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvevents.errors import OffloadError  # noqa: E402
+from kvevents.publishers.offload import (  # noqa: E402
+    CPULoadStoreSpec,
+    CPUOffloadingManager,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
+from kvevents.publishers.offload.transfer import (  # noqa: E402
+    CPUTransferWorker,
+    HostChunkBuffers,
+    OffloadTransferDriver,
+)
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+def kv_layers(device: str, num_blocks: int = 16, layers: int = 3, seed: int = 0) -> list:
+    """Random KV tensors: (num_blocks, 2 [K,V], block_size 4, heads 2, head_dim 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    return [
+        torch.randn((num_blocks, 2, 4, 2, 8), generator=gen).to(dtypes[i % 3]).to(device)
+        for i in range(layers)
+    ]
+
+
+def same_bytes(a: object, b: object) -> bool:
+    return bool(torch.equal(a.contiguous().view(torch.int8), b.contiguous().view(torch.int8)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc", [1, 2, 3])
+def test_store_then_load_into_other_blocks_is_bit_identical(device: str, bpc: int) -> None:
+    layers = kv_layers(device, num_blocks=24)
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=6, blocks_per_chunk=bpc)
+    assert worker.buffers.pinned == torch.cuda.is_available()
+
+    src_blocks = [5, 2, 7, 1, 11, 3, 9, 0, 4][: 3 * bpc]  # 3 chunks, scattered blocks
+    chunks = CPULoadStoreSpec([4, 0, 2])  # scattered, non-monotone chunk ids
+    worker.submit_store(7, src_blocks, chunks)
+    worker.wait()
+    (res,) = worker.get_finished()
+    assert (res.job_id, res.success) == (7, True)
+    assert res.bytes == len(src_blocks) * worker.buffers.bytes_per_block
+
+    # host chunk c, sub-block j holds device block src_blocks[c_index * bpc + j]
+    for dev, host in zip(layers, worker.buffers.host):
+        rows = dev.reshape(dev.shape[0], -1).view(torch.int8).cpu()
+        for ci, chunk in enumerate([4, 0, 2]):
+            expect = torch.cat([rows[b] for b in src_blocks[ci * bpc : (ci + 1) * bpc]])
+            assert torch.equal(host[chunk], expect)
+
+    dst_blocks = [20, 13, 17, 22, 14, 21, 12, 23, 15][: 3 * bpc]
+    worker.submit_load(8, chunks, dst_blocks)
+    worker.wait()
+    assert [r.job_id for r in worker.get_finished()] == [8]
+    for dev, orig in zip(layers, originals):
+        for s, d in zip(src_blocks, dst_blocks):
+            assert same_bytes(dev[d], orig[s])
+        untouched = sorted(set(range(24)) - set(dst_blocks))
+        assert same_bytes(dev[untouched], orig[untouched])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_driver_runs_manager_through_store_and_load(device: str) -> None:
+    bpc = 2
+    layers = kv_layers(device, num_blocks=32, layers=2, seed=1)
+    originals = [t.clone() for t in layers]
+    manager = CPUOffloadingManager(num_chunks=3, cache_policy="arc", enable_events=True)
+    driver = OffloadTransferDriver(manager, CPUTransferWorker(layers, 3, bpc))
+    ctx = ReqContext("r1")
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(4)]
+    where = {k: [2 * i + 1, 2 * i + 8] for i, k in enumerate(keys)}
+
+    out = driver.store(keys[:3], where, ctx)
+    assert out is not None and out.store_spec.block_ids.tolist() == [0, 1, 2]
+    assert manager.lookup(keys[0]) in (LookupResult.HIT_PENDING, LookupResult.HIT)
+    results = driver.flush()
+    assert [r.success for r in results] == [True]
+    assert manager.lookup(keys[0]) == LookupResult.HIT
+    assert [e.removed for e in manager.take_events()] == [False]
+
+    # load keys 2 and 0 into fresh blocks; the chunks stay pinned until completion
+    dest = {keys[2]: [30, 31], keys[0]: [28, 29]}
+    driver.load([keys[2], keys[0]], dest, ctx)
+    evicting = manager.prepare_store([keys[3]], ctx)
+    assert evicting is not None and evicting.evicted_keys == [keys[1]]  # the only unpinned
+    driver.flush()
+    assert manager.chunk_status(keys[0]).ref_cnt == 0  # type: ignore[union-attr]
+    for dev, orig in zip(layers, originals):
+        for k in (keys[2], keys[0]):
+            for s, d in zip(where[k], dest[k]):
+                assert same_bytes(dev[d], orig[s])
+
+
+def test_bad_specs_raise_before_copying_and_driver_rolls_back() -> None:
+    layers = kv_layers("cpu", num_blocks=8, layers=1)
+    worker = CPUTransferWorker(layers, num_chunks=2, blocks_per_chunk=2)
+    with pytest.raises(OffloadError, match="do not fill"):
+        worker.submit_store(0, [1, 2, 3], CPULoadStoreSpec([0]))
+    with pytest.raises(OffloadError, match="device block ids"):
+        worker.submit_store(0, [1, 99], CPULoadStoreSpec([0]))
+    with pytest.raises(OffloadError, match="chunk ids"):
+        worker.submit_store(0, [1, 2], CPULoadStoreSpec([5]))
+    with pytest.raises(OffloadError, match="named twice"):
+        worker.submit_store(0, [1, 2, 3, 4], CPULoadStoreSpec([1, 1]))
+    with pytest.raises(OffloadError, match="named twice"):
+        worker.submit_load(0, CPULoadStoreSpec([0]), [3, 3])
+    assert worker.num_pending == 0 and worker.stats.stores == worker.stats.loads == 0
+
+    manager = CPUOffloadingManager(2)
+    driver = OffloadTransferDriver(manager, worker)
+    key = make_offload_key(b"k", 0)
+    with pytest.raises(OffloadError, match="device block ids"):
+        driver.store([key], {key: [0, 50]})
+    assert manager.lookup(key) == LookupResult.MISS  # the failed store was released
+    assert manager.num_free_chunks == 2
+
+
+@pytest.mark.parametrize(
+    ("src", "chunk_ids", "dst"),
+    [
+        # consecutive chunks, scattered blocks: store gathers into host runs, load scatters
+        ([9, 2, 14, 5, 0, 11], [0, 1, 2], [13, 3, 8, 1, 15, 6]),
+        # consecutive blocks, scattered chunks: store scatters, load gathers into one run
+        ([4, 5, 6, 7, 8, 9], [5, 0, 3], [10, 11, 12, 13, 14, 15]),
+        # both consecutive: one run either way
+        ([0, 1, 2, 3, 4, 5], [1, 2, 3], [10, 11, 12, 13, 14, 15]),
+    ],
+)
+def test_both_copy_strategies_are_exact(
+    src: list[int], chunk_ids: list[int], dst: list[int]
+) -> None:
+    layers = [torch.randn(16, 3, 64).to(torch.bfloat16), torch.randn(16, 5, 7).to(torch.float16)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=6, blocks_per_chunk=2)
+    worker.submit_store(0, src, CPULoadStoreSpec(chunk_ids))
+    worker.submit_load(1, CPULoadStoreSpec(chunk_ids), dst)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    for dev, orig in zip(layers, originals):
+        assert same_bytes(dev[dst], orig[src])
+    assert worker.buffers.device_words[0].dtype == torch.int64  # 384-byte pages
+    assert worker.buffers.device_words[1].dtype == torch.int16  # 70-byte pages
+
+
+def test_same_device_block_stored_into_two_chunks() -> None:
+    # Repeated source blocks (4 and 5 twice) into scattered chunks.
+    layers = [torch.randn(8, 32)]
+    worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=1)
+    worker.submit_store(0, [4, 5, 4, 5], CPULoadStoreSpec([0, 2, 4, 6]))
+    rows = layers[0].view(torch.int8)
+    host = worker.buffers.host_rows[0]
+    for chunk, block in zip([0, 2, 4, 6], [4, 5, 4, 5]):
+        assert torch.equal(host[chunk], rows[block])
+    assert not host[[1, 3, 5, 7]].any()
+
+
+def test_small_pages_scattered_load_uses_one_scatter_and_stays_exact() -> None:
+    # 64-byte pages, scattered destinations: the load takes the index_copy_ path.
+    layers = [torch.randn(64, 16) for _ in range(2)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=2)
+    src = [9, 3, 40, 41, 7, 60, 2, 33]
+    worker.submit_store(0, src, CPULoadStoreSpec([5, 1, 6, 0]))
+    dst = [50, 10, 22, 13, 1, 62, 30, 17]
+    worker.submit_load(1, CPULoadStoreSpec([5, 1, 6, 0]), dst)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    for dev, orig in zip(layers, originals):
+        assert same_bytes(dev[dst], orig[src])
+
+
+def test_partial_first_chunk_skip() -> None:
+    layers = kv_layers("cpu", num_blocks=8, layers=1)
+    worker = CPUTransferWorker(layers, num_chunks=2, blocks_per_chunk=4)
+    # request-relative block 2 is the first: it lands in sub-block 2 of chunk 1
+    worker.submit_store(0, GPULoadStoreSpec([6, 7], block_indices=[2]), CPULoadStoreSpec([1]))
+    rows = layers[0].reshape(8, -1).view(torch.int8)
+    host_rows = worker.buffers.host_rows[0]
+    assert torch.equal(host_rows[1 * 4 + 2], rows[6]) and torch.equal(host_rows[1 * 4 + 3], rows[7])
+    assert not host_rows[4].any()  # skipped sub-blocks untouched
+
+
+def test_buffers_reject_mismatched_tensors() -> None:
+    with pytest.raises(OffloadError, match="share one device"):
+        HostChunkBuffers([torch.zeros(4, 8), torch.zeros(5, 8)], 2)
+    with pytest.raises(OffloadError, match="contiguous"):
+        HostChunkBuffers([torch.zeros(8, 4).t()], 2)
+
+
+def test_package_import_does_not_import_torch() -> None:
+    code = (
+        "import sys, kvevents.publishers.offload as o; "
+        "o.CPUOffloadingManager(2); o.OffloadEventTranslator(); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
