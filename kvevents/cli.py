@@ -53,7 +53,8 @@ class _StatusLine:
         self.interval_s = interval_s if stream.isatty() else max(interval_s, 5.0)
         self.enabled = enabled
         self.tty = stream.isatty()
-        self._last = 0.0
+        # Redirected output gets a line every few seconds, the first after one interval.
+        self._last = 0.0 if self.tty else time.monotonic()
         self._width = 0
 
     def update(self, text: str, *, force: bool = False) -> None:
