@@ -473,6 +473,39 @@ def _replay_publish(args: argparse.Namespace) -> int:
 
 
 # --- demo --------------------------------------------------------------------------------
+def _demo_engine(args: argparse.Namespace, default: Any) -> Any:
+    """The demo's engine shape with the command-line overrides, or None if none given."""
+    from dataclasses import replace
+
+    from kvevents.sim import KVCacheGroupSpec
+
+    changes: dict[str, Any] = {}
+    if args.block_sizes:
+        try:
+            sizes = [int(x) for x in args.block_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--block-sizes wants integers like 16,32, got {args.block_sizes!r}"
+            ) from None
+        if not sizes:
+            raise ConfigError("--block-sizes needs at least one block size")
+        changes["groups"] = tuple(KVCacheGroupSpec(b) for b in sizes)
+    for flag, name in (
+        ("gpu_blocks", "num_gpu_blocks"),
+        ("cpu_chunks", "num_cpu_chunks"),
+        ("blocks_per_chunk", "blocks_per_chunk"),
+        ("cpu_policy", "cpu_cache_policy"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            changes[name] = value
+    if not changes:
+        return None
+    engine = replace(default, **changes)
+    engine.validate()
+    return engine
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -492,6 +525,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         overrides["bind"] = args.endpoint
     if args.device:
         overrides["device"] = args.device
+    engine = _demo_engine(args, base.engine_config())
+    if engine is not None:
+        overrides["engine"] = engine
     hold = args.hold if args.hold is not None else (2.0 if args.endpoint else 0.0)
     if hold < 0:
         raise ConfigError("--hold must be >= 0")
@@ -622,10 +658,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause S seconds after binding each publisher so subscribers can connect",
     )
     p.add_argument(
-        "--device",
-        help="where the engines' simulated KV cache lives: cpu (default) or cuda",
-    )
-    p.add_argument(
         "--hold",
         type=float,
         default=0.0,
@@ -663,6 +695,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         help="where the engines' simulated KV cache lives: cpu (default) or cuda",
     )
+    p.add_argument(
+        "--block-sizes",
+        metavar="B[,B...]",
+        help="KV-cache groups by block size in tokens, e.g. 16 or 16,32 (hybrid; default 16)",
+    )
+    p.add_argument("--gpu-blocks", type=int, metavar="N", help="GPU blocks per engine (96)")
+    p.add_argument(
+        "--cpu-chunks", type=int, metavar="N", help="CPU offload chunks per engine (128; 0: off)"
+    )
+    p.add_argument("--blocks-per-chunk", type=int, metavar="N", help="GPU blocks per CPU chunk (4)")
+    p.add_argument("--cpu-policy", choices=["lru", "arc"], help="CPU cache policy (lru)")
     p.add_argument(
         "--hold",
         type=float,

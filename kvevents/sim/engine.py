@@ -316,13 +316,18 @@ class SimEngine:
         cpu_end = gpu_hit
         if self.offload is not None:
             cpu_end = self.offload.lookup(run.hasher.digests, gpu_hit, limit, self.align)
-        for g, spec in enumerate(self.groups):
-            hit_blocks = gpu_hit // spec.block_size
-            hit = self.pool.longest_hit(digests[g], g)[:hit_blocks]
+        # Take every group's hit before allocating anything: an allocation may evict
+        # cached free blocks, and must not evict this request's own hits.
+        hits = [
+            self.pool.longest_hit(digests[g], g)[: gpu_hit // spec.block_size]
+            for g, spec in enumerate(self.groups)
+        ]
+        for hit in hits:
             self.pool.touch(hit)
-            need = -(-len(prompt) // spec.block_size) - hit_blocks
-            run.blocks.append(hit + self.pool.allocate(need))
-            run.num_cached.append(hit_blocks)
+        for g, spec in enumerate(self.groups):
+            need = -(-len(prompt) // spec.block_size) - len(hits[g])
+            run.blocks.append(hits[g] + self.pool.allocate(need))
+            run.num_cached.append(len(hits[g]))
         allocated = sum(len(b) for b in run.blocks)
         run.reserved = total_blocks - allocated
         self._reserved += run.reserved

@@ -143,3 +143,17 @@ def test_hybrid_engines_with_two_block_sizes_route_end_to_end() -> None:
     assert not kv.anomalies and not rr.anomalies
     assert kv.hit_rate > rr.hit_rate
     assert kv.predicted_exact >= 0.7 * kv.requests
+
+
+@rooms
+def test_demo_engine_flags_shape_the_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--quick", "--requests", "24", "--policy", "kv-aware", "--plot", "", "-q"]
+    shape = ["--block-sizes", "16,32", "--gpu-blocks", "200", "--cpu-chunks", "64"]
+    assert main([*args, *shape, "--blocks-per-chunk", "2", "--cpu-policy", "arc"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 200 blocks of 16/32 tokens, CPU 64 chunks x 2 blocks (arc)" in out
+    assert "anomalies: none" in out
+    assert main([*args, "--block-sizes", "16,x"]) == 2
+    assert "--block-sizes wants integers" in capsys.readouterr().err
+    assert main([*args, "--gpu-blocks", "0"]) == 2
+    assert "num_gpu_blocks must be positive" in capsys.readouterr().err

@@ -188,3 +188,21 @@ def test_the_event_stream_mirrors_the_pool_contents(
         if (k := e.pool.block_key(b)) is not None
     )
     assert live == pool_keys
+
+
+def test_a_hybrid_hit_is_pinned_in_every_group_before_allocation() -> None:
+    """Allocating group 0's new blocks must not evict group 1's hit blocks, even when
+    those sit at the head of the free queue (least recently freed)."""
+    e, sink = engine((4, 8), blocks=23)
+    prefix = list(range(1, 17))  # 4 blocks of 4, 2 blocks of 8
+    run(e, req("a", [*prefix, 99]))  # caches the prefix in both groups, then frees it
+    run(e, req("d", list(range(500, 540))))  # other content fills the rest of the pool
+    a_g1 = [ev for ev in sink.events() if isinstance(ev, BlockStored) and ev.group_idx == 1][0]
+    sink.batches.clear()
+    run(e, req("b", [*prefix, *range(200, 217)]))  # needs new blocks in both groups
+    assert e.results[-1].gpu_hit_tokens == 16
+    removed = {h for ev in sink.events() if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
+    assert not removed & set(a_g1.block_hashes)
+    stored_b = [ev for ev in sink.events() if isinstance(ev, BlockStored)]
+    assert [ev.group_idx for ev in stored_b] == [0, 1]
+    assert stored_b[1].parent_block_hash == a_g1.block_hashes[1]
