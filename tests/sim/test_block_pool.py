@@ -197,7 +197,7 @@ def test_a_hybrid_hit_is_pinned_in_every_group_before_allocation() -> None:
     prefix = list(range(1, 17))  # 4 blocks of 4, 2 blocks of 8
     run(e, req("a", [*prefix, 99]))  # caches the prefix in both groups, then frees it
     run(e, req("d", list(range(500, 540))))  # other content fills the rest of the pool
-    a_g1 = [ev for ev in sink.events() if isinstance(ev, BlockStored) and ev.group_idx == 1][0]
+    a_g1 = next(ev for ev in sink.events() if isinstance(ev, BlockStored) and ev.group_idx == 1)
     sink.batches.clear()
     run(e, req("b", [*prefix, *range(200, 217)]))  # needs new blocks in both groups
     assert e.results[-1].gpu_hit_tokens == 16
