@@ -76,6 +76,13 @@ class _StatusLine:
             self.stream.flush()
 
 
+def _json_default(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode itself (bytes in capture metadata)."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"hex": bytes(value).hex()}
+    return str(value)
+
+
 def _print_anomaly(anomaly: Any, stream: IO[str]) -> None:
     rank = "?" if anomaly.dp_rank is None else anomaly.dp_rank
     span = ""
@@ -187,8 +194,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.summary:
             summary = summarize(reader, flt)
             summary.tail_error = reader.tail_error
+            summary.meta = dict(reader.meta)
             if args.json:
-                print(json.dumps(summary.to_json()))
+                print(json.dumps(summary.to_json(), default=_json_default))
             else:
                 print(summary.to_text())
         else:

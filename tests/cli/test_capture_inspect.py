@@ -128,3 +128,30 @@ def test_seq_gaps_in_a_capture_are_counted(
     assert main(["inspect", str(holed), "--summary", "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     assert (js["seq_gaps"], js["seq_missing"]) == (2, 3)
+
+
+def test_inspect_summary_shows_the_capture_metadata(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvevents.codec import encode_batch
+    from kvevents.events import KVEventBatch
+
+    path = tmp_path / "meta.kvcap"
+    meta = {"endpoints": ["tcp://a:1"], "recorder": "kvevents record", "blob": b"\x01"}
+    with CaptureWriter(path, meta=meta) as w:
+        w.write("tcp://a:1", b"", 0, encode_batch(KVEventBatch(1.0, [], 0)), recv_ts=100.0)
+        w.write(
+            "tcp://a:1",
+            b"",
+            1,
+            encode_batch(KVEventBatch(2.0, [], 0)),
+            recv_ts=102.5,
+            replayed=True,
+        )
+    assert main(["inspect", str(path), "--summary"]) == 0
+    text = capsys.readouterr().out
+    assert "received over 2.5 s (from 1970-01-01T00:01:40Z); 1 record(s) came by replay" in text
+    assert "recorded by kvevents record from tcp://a:1" in text
+    assert main(["inspect", str(path), "--summary", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["meta"]["blob"] == {"hex": "01"} and js["replayed"] == 1
