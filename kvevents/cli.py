@@ -139,15 +139,24 @@ def _cmd_record(args: argparse.Namespace) -> int:
         replay_from_start=args.from_start,
     )
     try:
-        with CaptureWriter(args.output, meta=meta) as writer, _stop_on_signals(stop):
-            while not stop.is_set():
+        with (
+            CaptureWriter(args.output, meta=meta, append=args.append) as writer,
+            _stop_on_signals(stop),
+        ):
+            draining = False
+            while True:
                 if args.count is not None and batches >= args.count:
                     break
                 now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    break
-                wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
-                item = sub.receive(timeout=wait)
+                if not draining and (stop.is_set() or (deadline is not None and now >= deadline)):
+                    draining = True  # keep what the subscriber already has ready
+                if draining:
+                    item = sub.receive(timeout=0)
+                    if item is None:
+                        break
+                else:
+                    wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
+                    item = sub.receive(timeout=wait)
                 if isinstance(item, ReceivedBatch):
                     writer.write(
                         item.source,
@@ -589,6 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="publisher PUB endpoint(s)")
     p.add_argument("-o", "--output", required=True, help="capture file to write (.kvcap)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="continue an existing capture (a damaged tail is cut off) instead of replacing it",
+    )
     p.add_argument(
         "--replay-endpoint",
         action="append",

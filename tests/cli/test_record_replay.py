@@ -248,14 +248,18 @@ def test_record_stops_after_count_with_a_complete_file(tmp_path: Path) -> None:
     feeder.start()
     try:
         assert main(["record", ep, "-o", str(out), "--count", "5", "-q"]) == 0
+        first = read_capture(out).records
+        assert main(["record", ep, "-o", str(out), "--count", "3", "--append", "-q"]) == 0
     finally:
         stop.set()
         feeder.join()
         pub.shutdown()
     got = read_capture(out)
-    assert got.tail_error is None and len(got.records) == 5
-    seqs = [r.seq for r in got.records]
+    assert got.tail_error is None and len(got.records) == 8
+    assert got.records[:5] == first
+    seqs = [r.seq for r in got.records[:5]]
     assert seqs == list(range(seqs[0], seqs[0] + 5))
+    assert got.records[5].seq > seqs[-1]
 
 
 def test_replay_into_index_reports_the_gaps_of_a_capture(
