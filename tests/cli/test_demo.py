@@ -157,3 +157,19 @@ def test_demo_engine_flags_shape_the_engines(capsys: pytest.CaptureFixture[str])
     assert "--block-sizes wants integers" in capsys.readouterr().err
     assert main([*args, "--gpu-blocks", "0"]) == 2
     assert "num_gpu_blocks must be positive" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from kvevents.sim.demo import PolicyResult, write_plot
+    from kvevents.sim.engine import SimEngineConfig
+
+    report = DemoReport(DemoConfig(), SimEngineConfig(), [PolicyResult("kv-aware")], 0.1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    png = tmp_path / "none.png"
+    why = write_plot(report, str(png))
+    assert why is not None and "matplotlib is not installed" in why
+    assert not png.exists()
