@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.sim import (
@@ -179,3 +181,41 @@ def test_a_cuda_kv_cache_round_trips_through_pinned_host_chunks() -> None:
     assert e.offload is not None and e.offload.worker.is_cuda
     assert e.offload.stats.blocks_copied_to_device > 0
     assert e.stats.load_mismatches == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    sizes=st.sampled_from([(16,), (16, 32), (8, 16)]),
+    gpu=st.integers(70, 160),
+    cpu=st.integers(1, 40),
+    bpc=st.integers(1, 4),
+    policy=st.sampled_from(["lru", "arc"]),
+)
+def test_the_index_fed_the_stream_holds_what_the_engine_holds(
+    seed: int, sizes: tuple[int, ...], gpu: int, cpu: int, bpc: int, policy: str
+) -> None:
+    from kvevents.consumers import BlockIndex
+
+    e, sink = engine(sizes, gpu=gpu, cpu=cpu, bpc=bpc, cpu_cache_policy=policy, transfers=False)
+    for r in generate_workload(
+        WorkloadConfig(
+            num_requests=12,
+            num_tenants=2,
+            concurrent_sessions=3,
+            system_prompt_tokens=(32, 96),
+            turns_per_session=(1, 3),
+            seed=seed,
+        )
+    ):
+        e.add_request(r)
+    e.run_until_idle()
+    index = BlockIndex(blocks_per_chunk=bpc, canonical_block_size=min(sizes))
+    for b in sink.batches:
+        index.apply("tcp://sim:1", 0, b)
+    assert not index.stats.unjoined and not index.stats.unknown_removals
+    (summary,) = index.summary().values()
+    assert summary.tiers["GPU"].entries == e.pool.num_cached
+    assert e.offload is not None
+    m = e.offload.manager
+    assert summary.tiers["CPU"].entries == m.num_chunks - m.num_free_chunks
