@@ -528,7 +528,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _require("kvevents.consumers", ["Subscriber", "BlockIndex", "Router"], "kvevents demo")
     _require("kvevents.publishers", ["ZmqEventPublisher"], "kvevents demo")
-    from kvevents.sim.demo import DemoConfig, format_report, run_demo, write_plot
+    from kvevents.sim.demo import (
+        DemoConfig,
+        format_report,
+        report_to_json,
+        run_demo,
+        write_plot,
+    )
 
     base = DemoConfig.quick() if args.quick else DemoConfig()
     overrides: dict[str, Any] = {}
@@ -570,13 +576,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         report = run_demo(config, progress=progress, on_start=on_start)
     finally:
         status.done()
+    why_not = write_plot(report, args.plot) if args.plot else "no --plot file"
+    if args.json:
+        out = report_to_json(report)
+        out["plot"] = None if why_not else args.plot
+        print(json.dumps(out))
+        return 0
     print(format_report(report))
     if args.plot:
-        why_not = write_plot(report, args.plot)
-        if why_not:
-            print(f"plot skipped: {why_not}")
-        else:
-            print(f"plot written to {args.plot}")
+        print(f"plot skipped: {why_not}" if why_not else f"plot written to {args.plot}")
     return 0
 
 
@@ -741,6 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="PNG to write (default kvevents-demo.png; '' for none)",
     )
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_demo)
     return parser

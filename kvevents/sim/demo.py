@@ -38,6 +38,7 @@ __all__ = [
     "DemoReport",
     "PolicyResult",
     "format_report",
+    "report_to_json",
     "run_demo",
     "run_policy",
     "waves",
@@ -472,6 +473,52 @@ def format_report(report: DemoReport) -> str:
     lines.extend(f"note: {n}" for n in report.notes)
     lines.append(f"total wall time {report.wall_s:.1f} s")
     return "\n".join(lines)
+
+
+def report_to_json(report: DemoReport) -> dict[str, Any]:
+    """The report as a JSON-ready dict (rates are fractions, times seconds)."""
+    policies = []
+    for r in report.results:
+        policies.append(
+            {
+                "policy": r.policy,
+                "requests": r.requests,
+                "prompt_tokens": r.prompt_tokens,
+                "gpu_hit_tokens": r.gpu_hit_tokens,
+                "cpu_hit_tokens": r.cpu_hit_tokens,
+                "computed_tokens": r.computed_tokens,
+                "tokens_saved": r.tokens_saved,
+                "gpu_hit_rate": r.rate(r.gpu_hit_tokens),
+                "cpu_hit_rate": r.rate(r.cpu_hit_tokens),
+                "hit_rate": r.hit_rate,
+                "predicted_exact": r.predicted_exact,
+                "batches": r.batches,
+                "events": r.events,
+                "events_per_s": r.events_per_s,
+                "wall_s": r.wall_s,
+                "anomalies": dict(r.anomalies),
+                "anomaly_details": list(r.anomaly_details),
+                "requests_per_worker": dict(r.requests_per_worker),
+            }
+        )
+    cfg, eng = report.config, report.engine
+    return {
+        "engines": cfg.engines,
+        "dp_ranks": cfg.dp_ranks,
+        "requests": cfg.requests,
+        "seed": cfg.seed,
+        "engine": {
+            "block_sizes": [g.block_size for g in eng.groups],
+            "num_gpu_blocks": eng.num_gpu_blocks,
+            "num_cpu_chunks": eng.num_cpu_chunks,
+            "blocks_per_chunk": eng.blocks_per_chunk,
+            "cpu_cache_policy": eng.cpu_cache_policy,
+            "device": eng.device,
+        },
+        "policies": policies,
+        "wall_s": report.wall_s,
+        "notes": list(report.notes),
+    }
 
 
 def write_plot(report: DemoReport, path: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,12 @@ def test_demo_engine_flags_shape_the_engines(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "GPU 200 blocks of 16/32 tokens, CPU 64 chunks x 2 blocks (arc)" in out
     assert "anomalies: none" in out
+    assert main([*args, *shape, "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["engine"]["block_sizes"] == [16, 32] and js["plot"] is None
+    (kv,) = js["policies"]
+    assert kv["policy"] == "kv-aware" and kv["requests"] == 24 and kv["anomalies"] == {}
+    assert kv["tokens_saved"] == kv["gpu_hit_tokens"] + kv["cpu_hit_tokens"] > 0
     assert main([*args, "--block-sizes", "16,x"]) == 2
     assert "--block-sizes wants integers" in capsys.readouterr().err
     assert main([*args, "--gpu-blocks", "0"]) == 2
