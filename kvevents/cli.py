@@ -548,6 +548,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         overrides["bind"] = args.endpoint
     if args.device:
         overrides["device"] = args.device
+    if args.record:
+        overrides["record_path"] = args.record
     engine = _demo_engine(args, base.engine_config())
     if engine is not None:
         overrides["engine"] = engine
@@ -748,6 +750,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="kvevents-demo.png",
         metavar="FILE",
         help="PNG to write (default kvevents-demo.png; '' for none)",
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="also write every batch the demo's subscriber receives to this capture file",
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")

@@ -208,10 +208,12 @@ class CaptureSummary:
                 f"received over {self.last_recv_ts - self.first_recv_ts:.1f} s "
                 f"(from {_utc(self.first_recv_ts)}); {self.replayed} record(s) came by replay"
             )
-        if self.meta.get("endpoints"):
+        if self.meta.get("recorder") or self.meta.get("endpoints"):
+            by = self.meta.get("recorder", self.meta.get("tool", "?"))
+            endpoints = self.meta.get("endpoints") or []
             lines.append(
-                f"recorded by {self.meta.get('recorder', self.meta.get('tool', '?'))} from "
-                + ", ".join(str(e) for e in self.meta["endpoints"])
+                f"recorded by {by}"
+                + (" from " + ", ".join(str(e) for e in endpoints) if endpoints else "")
             )
         for title, counter in (
             ("type", self.by_type),

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvevents.capture import CaptureWriter
 from kvevents.errors import ConfigError
 from kvevents.sim.block_pool import KVCacheGroupSpec
 from kvevents.sim.cluster import ClusterConfig, SimCluster
@@ -75,7 +76,8 @@ class DemoConfig:
     before routing starts and after it ends, so outside subscribers have time to
     connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays.
     ``device`` holds the engines' simulated KV cache (``"cuda"`` moves the offload copies
-    through CUDA streams and pinned host memory)."""
+    through CUDA streams and pinned host memory).  ``record_path`` writes every batch the
+    demo's subscriber receives to a capture file (all policies, each its own engines)."""
 
     engines: int = 4
     requests: int = 320
@@ -90,6 +92,7 @@ class DemoConfig:
     bind: str = "tcp://*:0"
     hold_s: float = 0.0
     device: str = "cpu"
+    record_path: str | None = None
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -132,7 +135,8 @@ class PolicyResult:
     anomaly_details: list[str] = field(default_factory=list)
     requests_per_worker: Counter[str] = field(default_factory=Counter)
     saved_curve: list[int] = field(default_factory=list)
-    index_summary: str = ""
+    index_holdings: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    """What the index held at the end: per ``source#rank`` and tier, (entries, tokens)."""
 
     @property
     def tokens_saved(self) -> int:
@@ -188,9 +192,12 @@ def waves(requests: Sequence[SimRequest], size: int) -> list[list[SimRequest]]:
 class _Consumer:
     """Subscriber → BlockIndex on a thread; knows the last seq applied per worker."""
 
-    def __init__(self, cluster: SimCluster, engine: SimEngineConfig) -> None:
+    def __init__(
+        self, cluster: SimCluster, engine: SimEngineConfig, capture: CaptureWriter | None
+    ) -> None:
         from kvevents.consumers import BlockIndex, Router, Subscriber
 
+        self.capture = capture
         self.lock = threading.Lock()
         self.subscriber = Subscriber(
             cluster.endpoints,
@@ -231,6 +238,15 @@ class _Consumer:
             t0 = time.perf_counter()
             if isinstance(item, ReceivedBatch):
                 wid = (item.source, item.dp_rank)
+                if self.capture is not None:
+                    self.capture.write(
+                        item.source,
+                        item.topic,
+                        item.seq,
+                        item.payload,
+                        recv_ts=item.recv_ts,
+                        replayed=item.replayed,
+                    )
                 with self.lock:
                     self.index.apply(item.source, item.dp_rank, item.batch)
                 self.batches += 1
@@ -278,8 +294,12 @@ def run_policy(
     *,
     progress: Callable[[str, int, int], None] | None = None,
     on_start: Callable[[str, SimCluster], None] | None = None,
+    capture: CaptureWriter | None = None,
 ) -> PolicyResult:
-    """Route ``requests`` with ``policy`` on fresh engines; see the module docstring."""
+    """Route ``requests`` with ``policy`` on fresh engines; see the module docstring.
+
+    With ``capture``, every batch the demo's subscriber receives is also written to it.
+    """
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     engine_cfg = config.engine_config()
@@ -297,7 +317,7 @@ def run_policy(
     try:
         if on_start is not None:
             on_start(policy, cluster)
-        consumer = _Consumer(cluster, engine_cfg)
+        consumer = _Consumer(cluster, engine_cfg, capture)
         if config.hold_s > 0:
             time.sleep(config.hold_s)  # outside subscribers (kvevents record) join
         missing = cluster.announce(consumer.seen)
@@ -366,7 +386,8 @@ def run_policy(
         res.consume_s = consumer.busy_s
         res.anomalies.update(consumer.anomalies)
         res.anomaly_details.extend(consumer.anomaly_details)
-        res.index_summary = _index_summary(consumer.index)
+        with consumer.lock:
+            res.index_holdings = _index_holdings(consumer.index)
     finally:
         if consumer is not None:
             consumer.close()
@@ -374,14 +395,12 @@ def run_policy(
     return res
 
 
-def _index_summary(index: Any) -> str:
-    summary = getattr(index, "summary", None)
-    if callable(summary):
-        try:
-            return str(summary())
-        except Exception:  # pragma: no cover - a summary is informative only
-            logger.exception("index summary failed")
-    return ""
+def _index_holdings(index: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per worker (``source#rank``) and tier: (entries, tokens) the index holds."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for wid, ws in index.summary().items():
+        out[f"{wid[0]}#{wid[1]}"] = {t: (s.entries, s.tokens) for t, s in ws.tiers.items()}
+    return out
 
 
 def _warm_up(engine: SimEngineConfig) -> None:
@@ -411,10 +430,18 @@ def run_demo(
     _warm_up(engine_cfg)
     if engine_cfg.num_cpu_chunks == 0:
         notes.append("CPU offload is off (kvevents.publishers.offload is not available)")
-    results = [
-        run_policy(p, requests, config, progress=progress, on_start=on_start)
-        for p in config.policies
-    ]
+    capture = None
+    if config.record_path:
+        meta = {"recorder": "kvevents demo", "policies": list(config.policies), "seed": config.seed}
+        capture = CaptureWriter(config.record_path, meta=meta, flush_every=64)
+    try:
+        results = [
+            run_policy(p, requests, config, progress=progress, on_start=on_start, capture=capture)
+            for p in config.policies
+        ]
+    finally:
+        if capture is not None:
+            capture.close()
     return DemoReport(config, engine_cfg, results, time.perf_counter() - t0, notes)
 
 

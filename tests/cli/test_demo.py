@@ -180,3 +180,25 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_reason(
     why = write_plot(report, str(png))
     assert why is not None and "matplotlib is not installed" in why
     assert not png.exists()
+
+
+@rooms
+def test_the_demo_records_its_stream_and_the_capture_replays_to_the_same_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cap = tmp_path / "demo.kvcap"
+    cfg = DemoConfig.quick(requests=36, policies=("kv-aware",), record_path=str(cap))
+    (kv,) = run_demo(cfg).results
+    assert main(["replay", str(cap), "--into-index", "--json", "--blocks-per-chunk", "4"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    replayed = {
+        f"{w['source']}#{w['dp_rank']}": {
+            t: (v["entries"], v["tokens"]) for t, v in w["tiers"].items()
+        }
+        for w in js["workers"]
+    }
+    assert replayed == kv.index_holdings
+    assert js["anomalies"] == []
+    assert main(["inspect", str(cap), "--summary", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["events"] == kv.events and summary["meta"]["recorder"] == "kvevents demo"
