@@ -69,8 +69,25 @@ _EVENT_CLASSES: dict[str, type[KVEvent]] = {
 _FIELDS: dict[str, tuple[str, ...]] = {
     name: cls.__struct_fields__ for name, cls in _EVENT_CLASSES.items()
 }
+# The fields vLLM ever wrote in positional (array) events, <= 0.23.
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": _FIELDS["BlockStored"][:11],
+    "BlockRemoved": _FIELDS["BlockRemoved"][:3],
+    "AllBlocksCleared": (),
+}
 # Required in vLLM 0.33 but absent from older producers: read as None (C§1.3).
 _TOLERATED_MISSING = ("lora_id", "medium", "lora_name")
+# Fields every producer has written in the same positions since vLLM 0.9 (and SGLang).
+_CORE_FIELDS: dict[str, frozenset[str]] = {
+    "BlockStored": frozenset({"block_hashes", "parent_block_hash", "token_ids", "block_size"}),
+    "BlockRemoved": frozenset({"block_hashes"}),
+    "AllBlocksCleared": frozenset(),
+}
+# Each field's type, to test one positional value at a time.
+_FIELD_TYPES: dict[str, dict[str, Any]] = {
+    name: {f.name: f.type for f in msgspec.structs.fields(cls)}
+    for name, cls in _EVENT_CLASSES.items()
+}
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -88,8 +105,10 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 # --- array-form twins: a typed fast path for vLLM <= 0.23 producers ---------------------
 # Everything after the fields that every version wrote (0.9) has a default, so any
-# element count from 0.9's up to a future one decodes; extra trailing elements are
-# ignored by msgspec.
+# element count from 0.9's on decodes.  The twins stop at the last field vLLM ever wrote
+# positionally (0.23: ``kv_cache_spec_sliding_window`` / ``group_idx``): later fields were
+# only ever sent as map keys, so elements past those are another producer's extensions
+# and are ignored (msgspec drops extra trailing elements), never read as ``locality``.
 
 
 class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
@@ -108,18 +127,12 @@ class _ArrayStored(_ArrayEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _ArrayRemoved(_ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
     group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
 
 
 class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared"):
@@ -146,13 +159,9 @@ def _from_array_twin(ev: _ArrayEvent) -> KVEvent:
             ev.group_idx,
             ev.kv_cache_spec_kind,
             ev.kv_cache_spec_sliding_window,
-            ev.locality,
-            ev.ownership,
-            ev.session_id,
-            ev.lookahead_token_ids,
         )
     if isinstance(ev, _ArrayRemoved):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
     return AllBlocksCleared()
 
 
@@ -162,12 +171,17 @@ class DecodeStats:
 
     ``skipped_events`` counts skipped events by reason (``"unknown_tag"``);
     ``unknown_tags`` counts them by the tag seen.  ``tolerant_batches`` counts batches
-    that needed the generic (slow) path.
+    that needed the generic (slow) path.  ``ignored_fields`` counts, by
+    ``"Class.field"``, optional values of positional (array) events that did not fit
+    the vLLM field in that position and were read as ``None``: a foreign producer's
+    extension (SGLang's ``{"cache_salt": ...}`` metadata sits where vLLM 0.13-0.15 put
+    ``lora_name``).
     """
 
     skipped_events: Counter[str] = field(default_factory=Counter)
     unknown_tags: Counter[str] = field(default_factory=Counter)
     tolerant_batches: int = 0
+    ignored_fields: Counter[str] = field(default_factory=Counter)
 
 
 class BatchDecoder:
@@ -238,7 +252,8 @@ class BatchDecoder:
             if tag not in _EVENT_CLASSES:
                 self._skip_unknown(tag)
                 return None
-            fields = dict(zip(_FIELDS[tag], raw[1:]))
+            fields = dict(zip(_ARRAY_FIELDS[tag], raw[1:]))
+            self._drop_foreign_positional(tag, fields)
         elif isinstance(raw, dict):
             raw_tag = raw.get("type")
             if not isinstance(raw_tag, str):
@@ -262,9 +277,36 @@ class BatchDecoder:
         except (TypeError, ValueError, OverflowError) as exc:
             raise DecodeError(f"{where} ({tag}): {exc}") from exc
 
+    def _drop_foreign_positional(self, tag: str, fields: dict[str, Any]) -> None:
+        """Read as ``None`` (and count) optional positional values of the wrong type.
+
+        Positions are vLLM's; another producer may put its own extension in a slot that
+        vLLM later gave an optional field.  The core fields are never dropped, so a
+        malformed event still fails.
+        """
+        for name in _foreign_positional(tag, fields):
+            fields[name] = None
+            self.stats.ignored_fields[f"{tag}.{name}"] += 1
+
     def _skip_unknown(self, tag: str) -> None:
         self.stats.skipped_events["unknown_tag"] += 1
         self.stats.unknown_tags[tag] += 1
+
+
+def _foreign_positional(tag: str, fields: dict[str, Any]) -> list[str]:
+    """Optional (non-core) fields of a positional event whose value does not fit the
+    vLLM field in that position (``None`` always fits)."""
+    core = _CORE_FIELDS[tag]
+    types = _FIELD_TYPES[tag]
+    foreign: list[str] = []
+    for name, value in fields.items():
+        if name in core or value is None:
+            continue
+        try:
+            msgspec.convert(value, types[name], strict=True)
+        except (msgspec.ValidationError, TypeError, ValueError, OverflowError):
+            foreign.append(name)
+    return foreign
 
 
 def _split_batch(raw: Any) -> tuple[float, list[Any], int | None]:
@@ -389,6 +431,8 @@ def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
             table = tables.get(e[0]) if e and isinstance(e[0], str) else None
             if table is not None:
                 first, last = table.get(len(e), (0, -1))
+                if _foreign_positional(e[0], dict(zip(_ARRAY_FIELDS[e[0]], e[1:]))):
+                    first, last = 0, -1  # a value no vLLM release wrote in that slot
                 lo, hi = max(lo, first), min(hi, last)
     if form in ("mixed",) or lo > hi or (lo, hi) == (0, 99):
         versions = ""
@@ -448,18 +492,16 @@ def pack_replay_request(start_seq: int) -> list[bytes]:
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     """Parse a request as a ROUTER receives it: ``[identity, b"", start]``.
 
-    ``start`` is big-endian unsigned of any length (a 4-byte value works, as in vLLM).
-    Returns ``(identity, start_seq)``; any other layout raises :class:`FrameError`.
+    As in vLLM (C§2.2) only the frame count is checked: the middle (delimiter) frame is
+    not inspected, and ``start`` is big-endian unsigned of any length (a 4-byte value
+    works; an empty frame reads as 0).  Returns ``(identity, start_seq)``; any other
+    frame count raises :class:`FrameError`.
     """
     if len(frames) != 3:
         raise FrameError(
             f"replay request must have 3 frames [identity, b'', start], got {len(frames)}"
         )
-    identity, delimiter, start = frames
-    if delimiter:
-        raise FrameError("replay request is missing its empty delimiter frame")
-    if not start:
-        raise FrameError("replay request has an empty start frame")
+    identity, _delimiter, start = frames
     return bytes(identity), int.from_bytes(start, "big")
 
 

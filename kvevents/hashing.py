@@ -69,13 +69,20 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
         ) from None
 
 
+def _env_seed() -> str:
+    """``$PYTHONHASHSEED`` whenever it is set (even to ""), else the default seed."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return DEFAULT_NONE_HASH_SEED if seed is None else seed
+
+
 def none_hash(algo: str = "sha256_cbor", seed: str | None = None) -> bytes:
     """vLLM's ``NONE_HASH``: the parent digest of a sequence's first block.
 
-    ``seed`` defaults to ``$PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``.
+    ``seed`` defaults to ``$PYTHONHASHSEED`` if set (even to ``""``, as vLLM reads it),
+    else ``"vllm-none-hash"``.
     """
     if seed is None:
-        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
+        seed = _env_seed()
     return hash_function(algo)(seed)
 
 
@@ -108,9 +115,7 @@ def hash_request_blocks(
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     fn = hash_function(algo)
-    parent = fn(
-        seed if seed is not None else (os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED)
-    )
+    parent = fn(seed if seed is not None else _env_seed())
     out: list[bytes] = []
     for i in range(len(token_ids) // block_size):
         block = tuple(token_ids[i * block_size : (i + 1) * block_size])

@@ -125,7 +125,8 @@ def test_legacy_array_events_of_any_length(
     for got, want in zip(back.events, batch.events):
         assert type(got) is type(want)
         names = want.__struct_fields__
-        kept = n_fields if isinstance(want, BlockStored) else max(1, n_fields - 4)
+        # Array events never carried more than 0.23's fields; later positions are ignored.
+        kept = min(n_fields, 11) if isinstance(want, BlockStored) else min(max(1, n_fields - 4), 3)
         for i, name in enumerate(names):
             if i < kept:
                 assert getattr(got, name) == getattr(want, name), name
@@ -377,3 +378,93 @@ def test_describe_payload_infers_the_producer_generation(
 ) -> None:
     shape = describe_payload(enc(raw))
     assert (shape.event_form, shape.vllm_versions) == (form, versions)
+
+
+# A current SGLang producer (python/sglang/srt/disaggregation/kv_events.py) keeps vLLM's
+# pre-0.24 array form but sends a salted store as an 8-element array whose last element
+# is a ``{"cache_salt": ...}`` map: the slot where vLLM 0.13-0.15 carried ``lora_name``.
+class _SglEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _SglMetadata(msgspec.Struct, omit_defaults=True, gc=False):
+    cache_salt: str
+
+
+class _SglStored(_SglEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class _SglStoredWithMetadata(_SglStored, tag="BlockStored", kw_only=True):
+    metadata: _SglMetadata
+
+
+class _SglRemoved(_SglEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SglBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+def test_sglang_salted_store_with_foreign_trailing_field_keeps_the_batch() -> None:
+    salted = _SglStoredWithMetadata(
+        [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", metadata=_SglMetadata("salt")
+    )
+    payload = msgspec.msgpack.encode(
+        _SglBatch(2.0, [salted, _SglRemoved([9], "GPU"), _SglStored([13], 12, [5, 6], 2, None)], 1)
+    )
+    assert msgspec.msgpack.decode(payload)[1][0][-1] == {"cache_salt": "salt"}
+    stats = DecodeStats()
+    batch = BatchDecoder(stats).decode(payload)
+    assert batch.data_parallel_rank == 1
+    stored, removed, plain = batch.events
+    assert stored == BlockStored([11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None)
+    assert removed == BlockRemoved([9], "GPU")
+    assert plain == BlockStored([13], 12, [5, 6], 2, None, None, None)
+    # The foreign value is not silently taken for a LoRA name: it is dropped and counted.
+    assert stats.ignored_fields == {"BlockStored.lora_name": 1}
+
+
+def test_array_event_with_a_mistyped_required_field_is_still_an_error() -> None:
+    raw = [1.0, [["BlockStored", [1], None, [1], {"x": 1}, None, "GPU"]], 0]
+    with pytest.raises(DecodeError, match="block_size"):
+        decode_batch(enc(raw))
+
+
+def test_describe_payload_does_not_date_a_foreign_positional_event() -> None:
+    # An SGLang salted store has 8 elements like a vLLM 0.13-0.18 store, but its last
+    # element is a map, which no vLLM release wrote there: no vLLM version is claimed.
+    salted = _SglStoredWithMetadata([1], None, [1, 2], 2, None, "GPU", metadata=_SglMetadata("s"))
+    payload = msgspec.msgpack.encode(_SglBatch(1.0, [salted], 0))
+    assert describe_payload(payload).event_form == "array"
+    assert describe_payload(payload).vllm_versions == ""
+    plain = _SglStored([1], None, [1, 2], 2, None, "GPU")
+    assert describe_payload(msgspec.msgpack.encode(_SglBatch(1.0, [plain], 0))).vllm_versions == (
+        "0.11-0.15"
+    )
+
+
+def test_array_elements_past_vllm_023_are_not_read_as_map_only_fields() -> None:
+    """vLLM never wrote locality/ownership/... positionally: a foreign 13th element
+    (a string here) must not turn into ``locality``."""
+    raw = [
+        0.0,
+        [
+            ["BlockStored", [1], None, [1, 2], 2, None, "CPU", None, None, 0, None, None, "x", "y"],
+            ["BlockRemoved", [1], "CPU", 0, "REMOTE"],
+        ],
+        0,
+    ]
+    stored, removed = decode_batch(enc(raw)).events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert stored.locality is None and stored.ownership is None and stored.group_idx == 0
+    assert removed.locality is None and removed.group_idx == 0

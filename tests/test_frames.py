@@ -51,8 +51,9 @@ def test_replay_request_any_length_start() -> None:
     assert parse_replay_request([b"id", b"", bytes.fromhex("00000004")]) == (b"id", 4)
     with pytest.raises(FrameError):
         parse_replay_request([b"id", pack_seq(0)])  # no delimiter: vLLM ignores it
-    with pytest.raises(FrameError):
-        parse_replay_request([b"id", b"x", pack_seq(0)])
+    # vLLM checks only the frame count: any middle frame, and an empty start (= 0).
+    assert parse_replay_request([b"id", b"x", pack_seq(7)]) == (b"id", 7)
+    assert parse_replay_request([b"id", b"", b""]) == (b"id", 0)
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,20 @@ def test_pythonhashseed_changes_the_seed(monkeypatch: pytest.MonkeyPatch) -> Non
     assert none_hash("sha256_cbor").hex().startswith("4e1195df")
 
 
+def test_empty_pythonhashseed_is_a_set_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM tests ``os.getenv("PYTHONHASHSEED") is None``: a variable set to "" (e.g. a
+    # container's ``ENV PYTHONHASHSEED=``) seeds NONE_HASH with "", not the default.
+    import hashlib
+
+    import cbor2
+
+    monkeypatch.setenv("PYTHONHASHSEED", "")
+    expected = hashlib.sha256(cbor2.dumps("", canonical=True)).digest()
+    assert none_hash("sha256_cbor") == expected
+    first = hash_request_blocks([1, 2, 3, 4], 4)[0]
+    assert first == hash_block_tokens(None, [1, 2, 3, 4], none=expected)
+
+
 def test_wire_hash_is_last_8_bytes() -> None:
     digest = bytes.fromhex("52a7f141" + "00" * 20 + "1a1eb4e3edd9361a")
     assert to_wire_hash(digest) == 1882140585328457242

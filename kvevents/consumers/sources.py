@@ -108,14 +108,22 @@ class Source(Protocol):
 
 
 def _binds(endpoint: str) -> bool:
-    return "*" in endpoint
+    """A wildcard address can only be bound: ``*``, ``0.0.0.0`` or ``[::]``."""
+    return "*" in endpoint or "//0.0.0.0:" in endpoint or "[::]" in endpoint
+
+
+def _enable_ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Let ``sock`` reach an IPv6 address (``tcp://[::1]:5557``); off by default in ZMQ."""
+    if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 class ZmqSource:
     """A vLLM-compatible publisher: SUB on ``endpoint``, DEALER on ``replay_endpoint``.
 
-    The SUB connects (it binds only when the endpoint holds ``*``, for publishers that
-    connect out, C§2.1) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's
+    The SUB connects (it binds only to a wildcard address - ``*``, ``0.0.0.0``, ``[::]``
+    - for publishers that connect out, C§2.1; :attr:`bound_endpoint` then holds the bound
+    address) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's
     receive high-water mark in messages.  The DEALER is created on the first replay and
     closed (dropping replies in flight) by :meth:`cancel_replay`.
     """
@@ -142,9 +150,14 @@ class ZmqSource:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        _enable_ipv6_if_needed(self._sub, endpoint)
+        self.bound_endpoint: str | None = None
+        """The address the SUB bound (the real port for ``:0``); None when it connects."""
         try:
             if _binds(endpoint):
                 self._sub.bind(endpoint)
+                last = self._sub.getsockopt(zmq.LAST_ENDPOINT)
+                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
             else:
                 self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -208,6 +221,7 @@ class ZmqSource:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
+            _enable_ipv6_if_needed(dealer, self.replay_endpoint)
             dealer.connect(self.replay_endpoint)
             self._dealer = dealer
         try:

@@ -14,7 +14,8 @@ and yields, in order:
 
 Anomalies are values, never exceptions: the stream always goes on.  A gap is repaired by
 a DEALER replay (C§2.2) merged with live traffic so nothing is applied twice or out of
-order.  Replays have a timeout (the stream of that worker is held at most that long), a
+order.  Replays have a timeout (the stream of that worker is held at most that long
+without a reply), a
 bound on how many run at once, and a cooldown: after a replay endpoint timed out, gaps on
 that source are reported lost at once for ``replay_cooldown`` seconds instead of waiting
 on it again.  Everything dropped or skipped is counted in :attr:`Subscriber.stats` with a
@@ -238,8 +239,8 @@ class Subscriber:
 
     Options: ``replay_from_start`` asks each source's replay endpoint for its whole
     buffer when the subscriber starts, and catches any stream seen later up from seq 0;
-    ``replay_timeout`` (s) bounds how long a worker's stream may wait on a replay (queueing
-    included); ``max_concurrent_replays`` bounds replays in flight over all sources;
+    ``replay_timeout`` (s) bounds how long a worker's stream may wait on a replay that
+    makes no progress (to start, including queueing, and between two replies); ``max_concurrent_replays`` bounds replays in flight over all sources;
     ``replay_cooldown`` (s) is how long a source whose replay timed out is not asked
     again; ``decoder`` is a :class:`BatchDecoder` to use (its stats count skipped events);
     ``history`` and ``max_pending`` are passed to each
@@ -490,6 +491,8 @@ class Subscriber:
                 self.stats.dropped["stale_replay"] += 1
                 return
             job.replies += 1
+            # The timeout bounds a replay without progress: every reply renews it.
+            job.deadline = now + self.replay_timeout
             decoded = self._decode(origin, msg)
             if decoded is None:
                 return

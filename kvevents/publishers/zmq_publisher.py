@@ -10,7 +10,7 @@ What a consumer of vLLM's publisher sees is unchanged (C§2.1–2.2, C§9.4–9.
 * an optional ROUTER replay socket (always bound, SNDHWM ``2 * (buffer_steps + 1)``)
   answers ``[identity, b"", start]`` with every buffered batch whose seq ≥ ``start``
   as ``[identity, b"", topic, seq, payload]``, in order, then the end marker
-  ``[identity, b"", b"", ff×8, b""]``.  A request of any other shape gets no reply and
+  ``[identity, b"", b"", ff×8, b""]``.  A request of any other frame count gets no reply and
   is counted in ``stats.malformed_requests``.
 
 Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
@@ -107,7 +107,7 @@ class PublisherStats:
       ``shutdown``.  Each counts the replies (batches plus end marker) never sent.
     * ``replay_requests_refused``: well-formed requests refused because
       ``max_pending_replays`` replays were already in progress (no reply sent).
-    * ``malformed_requests``: replay requests of the wrong shape (no reply sent).
+    * ``malformed_requests``: replay requests without exactly 3 frames (no reply sent).
     * ``internal_errors``: unexpected exceptions in the sender thread (logged).
     """
 
@@ -315,8 +315,8 @@ class ZmqEventPublisher:
     def publish(self, batch: EventBatch) -> None:
         """Queue ``batch`` for sending; never blocks.
 
-        Sets ``batch.data_parallel_rank`` to this publisher's rank (as vLLM does) and
-        assigns the next seq.  If the queue is full the batch is dropped and counted;
+        Sets ``batch.data_parallel_rank`` to this publisher's rank when it is ``None``
+        (as vLLM does; a rank the caller set is kept) and assigns the next seq.  If the queue is full the batch is dropped and counted;
         its seq is still consumed so consumers see a gap.  The caller must not mutate
         ``batch`` afterwards.  Raises :class:`PublisherClosedError` after
         :meth:`shutdown`, and :class:`~kvevents.errors.EncodeError` (a ``TypeError``)
@@ -326,7 +326,8 @@ class ZmqEventPublisher:
             raise EncodeError(
                 f"publish() takes a KVEventBatch (an EventBatch), got {type(batch).__name__}"
             )
-        batch.data_parallel_rank = self.data_parallel_rank
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
         with self._lock:
             if self._closed:
                 raise PublisherClosedError(

@@ -144,3 +144,75 @@ def test_not_a_capture_is_a_clear_error(tmp_path):
     bad.write_bytes(b"hello")
     with pytest.raises(CaptureError, match="not a kvevents capture"):
         Subscriber(str(bad))
+
+
+def test_ipv6_publisher_is_followed_live_and_through_replay():
+    """A publisher on an IPv6 address (vLLM binds ``tcp://[::]:5557`` or a v6 host): the
+    SUB and the replay DEALER must both speak IPv6, or nothing ever arrives."""
+    import time
+
+    from kvevents.events import BlockRemoved, KVEventBatch
+    from kvevents.publishers import ZmqEventPublisher
+
+    try:
+        pub = ZmqEventPublisher(endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0")
+    except ConfigError as exc:  # pragma: no cover - host without IPv6 loopback
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    try:
+        for i in range(3):
+            pub.publish(KVEventBatch(float(i), [BlockRemoved([i], "GPU")]))
+        # Sent (to nobody) before the subscriber exists: only replay can supply them.
+        sent_by = time.monotonic() + 10
+        while pub.stats.batches_published < 3:
+            assert time.monotonic() < sent_by, "publisher never sent its batches"
+            time.sleep(0.001)
+        with Subscriber(
+            pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
+        ) as sub:
+            replayed: list[int] = []
+            live = False
+            deadline = time.monotonic() + 10
+            n = 3
+            while (len(replayed) < 3 or not live) and time.monotonic() < deadline:
+                if len(replayed) >= 3:
+                    pub.publish(KVEventBatch(float(n), [BlockRemoved([n], "GPU")]))
+                    n += 1
+                item = sub.receive(timeout=0.05)
+                if isinstance(item, ReceivedBatch):
+                    if item.replayed and item.seq < 3:
+                        replayed.append(item.seq)
+                    elif not item.replayed:
+                        live = True
+            assert replayed == [0, 1, 2], sub.stats
+            assert live, "no live batch arrived over IPv6"
+    finally:
+        pub.shutdown()
+
+
+@pytest.mark.parametrize("wildcard", ["tcp://0.0.0.0:0", "tcp://*:0"])
+def test_wildcard_endpoint_binds_for_a_publisher_that_connects_out(wildcard):
+    """vLLM's PUB connects when its endpoint names a host (C§2.1), e.g. to a collector
+    bound on a wildcard address; a subscriber given a wildcard must bind, not connect."""
+    import time
+
+    from kvevents.events import BlockRemoved, KVEventBatch
+    from kvevents.publishers import ZmqEventPublisher
+
+    src = ZmqSource(wildcard)
+    try:
+        assert src.bound_endpoint is not None
+        port = src.bound_endpoint.rsplit(":", 1)[1]
+        with ZmqEventPublisher(endpoint=f"tcp://127.0.0.1:{port}") as pub:
+            assert not pub.binds
+            deadline = time.monotonic() + 10
+            got = []
+            n = 0
+            while not got:
+                assert time.monotonic() < deadline, "nothing arrived"
+                pub.publish(KVEventBatch(float(n), [BlockRemoved([n], "GPU")]))
+                n += 1
+                if src.sockets()[0].poll(20):
+                    got = src.receive(10)
+            assert got[0].kind == "live"
+    finally:
+        src.close()

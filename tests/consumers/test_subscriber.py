@@ -232,6 +232,28 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
     assert sub.stats.replays["timed_out"] == 1 and sub.stats.replays["cooldown"] == 1
 
 
+def test_a_long_replay_that_keeps_arriving_is_not_timed_out():
+    """replay_timeout bounds a replay that makes no progress, not a long one that does:
+    an application slower than the replay must not lose batches that are already
+    sitting in the replay socket."""
+    n = 30
+    with FaultyPublisher() as pub, connect(pub, replay_timeout=0.3, receive_batch=1) as sub:
+        sent = pub.publish_many((make_batch(i) for i in range(n + 1)), skip=range(1, n))
+        items: list[object] = []
+        deadline = time.monotonic() + 20
+        while not got_seq(n)(items):
+            assert time.monotonic() < deadline, summarize(items)
+            item = sub.receive(0.5)
+            if item is None:
+                continue
+            items.append(item)
+            if isinstance(item, ReceivedBatch) and item.replayed:
+                time.sleep(0.03)  # the application's own work on each batch
+    assert [(b.seq, b.payload) for b in batches_of(items)] == sent, summarize(items)
+    assert anomalies_of(items, "replay_timeout") == []
+    assert anomalies_of(items, "unrecoverable_loss") == []
+
+
 def test_without_replay_endpoint_a_gap_is_reported_lost():
     with FaultyPublisher(replay=False) as pub, Subscriber(pub.endpoint) as sub:
         pub.wait_for_subscribers()

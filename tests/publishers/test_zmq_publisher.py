@@ -176,6 +176,18 @@ def test_publisher_sets_the_rank_on_each_batch(ctx: zmq.Context[Any]) -> None:
         sub.close()
 
 
+def test_publisher_keeps_a_rank_the_caller_already_set(ctx: zmq.Context[Any]) -> None:
+    # C§1.2: vLLM's publish() fills the rank only when the batch has none.
+    endpoint = f"inproc://kv-rank-kept-{uuid.uuid4().hex}"
+    with ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint) as pub:
+        sub = subscribe(ctx, pub.endpoint)
+        pub.publish(KVEventBatch(1.0, [BlockRemoved([1], "GPU")], data_parallel_rank=3))
+        pub.publish(removed_batch(2))
+        assert decode_batch(recv(sub)[2]).data_parallel_rank == 3
+        assert decode_batch(recv(sub)[2]).data_parallel_rank == 0
+        sub.close()
+
+
 # --- topics ----------------------------------------------------------------------------
 
 

@@ -264,6 +264,16 @@ class TransferResult:
     bytes: int
     seconds: float
 
+    @property
+    def transfer_size(self) -> int:
+        """vLLM's name for :attr:`bytes` (``TransferResult.transfer_size``)."""
+        return self.bytes
+
+    @property
+    def transfer_time(self) -> float:
+        """vLLM's name for :attr:`seconds` (``TransferResult.transfer_time``)."""
+        return self.seconds
+
 
 class OffloadingManager(ABC):
     """Scheduler-side bookkeeping of one offload tier (C§5.1).

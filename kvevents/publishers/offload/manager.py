@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,11 @@ from kvevents.publishers.offload.base import (
     ReqContext,
     get_offload_group_idx,
 )
-from kvevents.publishers.offload.policies.base import CachePolicy, ChunkStatus
+from kvevents.publishers.offload.policies.base import (
+    CachePolicy,
+    ChunkStatus,
+    order_request_keys,
+)
 from kvevents.publishers.offload.policies.registry import get_cache_policy
 
 __all__ = ["CPUOffloadingManager", "OffloadManagerStats"]
@@ -100,6 +105,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: collect :class:`OffloadingEvent` for :meth:`take_events`.
         store_threshold: with ``>= 2``, a key is stored only once it has been offered
             that many times (an access tracker of at most ``max_tracker_size`` keys).
+        info: free-form description of the tier, returned by :meth:`config_info`.
 
     Calls accept ``ctx=None``, which stands for one long-lived anonymous request.
     """
@@ -114,6 +120,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        info: Mapping[str, Any] | None = None,
     ) -> None:
         if num_chunks < 0:
             raise OffloadError("num_chunks must be >= 0")
@@ -126,6 +133,7 @@ class CPUOffloadingManager(OffloadingManager):
                 f"cache_policy must be a name or CachePolicy class: {cache_policy!r}"
             )
         self.num_chunks = num_chunks
+        self.info: dict[str, Any] = dict(info) if info is not None else {}
         self.policy: CachePolicy = policy_cls(num_chunks)
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self.store_threshold = store_threshold
@@ -144,6 +152,10 @@ class CPUOffloadingManager(OffloadingManager):
         self.stats = OffloadManagerStats()
 
     # --- introspection -----------------------------------------------------------------
+
+    def config_info(self) -> dict[str, Any]:
+        """The ``info`` given at construction (``{}`` if none)."""
+        return dict(self.info)
 
     @property
     def num_free_chunks(self) -> int:
@@ -261,13 +273,13 @@ class CPUOffloadingManager(OffloadingManager):
 
         Returns ``None`` with no slot, residency or event change when the absent keys do
         not fit even after evicting every evictable key that is not offered now.  Access
-        accounting (the threshold tracker, the policy's miss/access hooks) is recorded
+        accounting (the threshold tracker, the policy's miss/access hooks, the request's
+        record of its store candidates and of the ready keys it *reuses*) is recorded
         either way, as in vLLM.
         """
         c = self._ctx(ctx)
         state = self._state(c)
         offered = _unique(keys)
-        self._remember(c, state, offered)
 
         if self._access_counts is not None:
             for key in offered:
@@ -299,6 +311,13 @@ class CPUOffloadingManager(OffloadingManager):
             self.policy.on_store_miss(new_misses, c)
         if reused:
             self.policy.on_request_access(reused, c)
+        # The request's record holds what it stores and what it reuses; a key whose
+        # write is still in flight for another request, or that the threshold held
+        # back, is neither (its recency is not this request's to change at finish).
+        recorded = set(candidates).union(reused)
+        self._remember(c, state, [k for k in offered if k in recorded])
+        if reused and c is not self._anonymous:
+            state.reused.update(reused)
 
         if not candidates:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
@@ -368,7 +387,11 @@ class CPUOffloadingManager(OffloadingManager):
                     self._released[key] = event
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """Hand the request's keys to the policy once (per KV group, head to tail)."""
+        """Hand the request's keys to the policy once (per KV group, head to tail).
+
+        The groups go in group-index order; the built-in policies then walk all of the
+        keys in one tail-to-head order by position (C§5.5).
+        """
         state = self._state(ctx)
         if state.finished or ctx is self._anonymous:
             return
@@ -376,11 +399,9 @@ class CPUOffloadingManager(OffloadingManager):
         groups: dict[int, list[OffloadKey]] = {}
         for key in state.keys:
             groups.setdefault(get_offload_group_idx(key), []).append(key)
-        positions = ctx.offload_key_positions
-        big = 1 << 62
-        key_groups = [
-            sorted(group, key=lambda k: positions.get(k, big)) for group in groups.values()
-        ]
+        # Groups by index; within one, head to tail by position when every key has one,
+        # else in the order the request first offered or loaded them.
+        key_groups = [order_request_keys([groups[g]], ctx) for g in sorted(groups)]
         self.policy.on_request_finished(
             key_groups, state.inserted - state.reused, set(state.reused), ctx
         )

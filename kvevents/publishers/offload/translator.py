@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,20 @@ logger = logging.getLogger(__name__)
 OffloadKVEvent = Union[BlockStored, BlockRemoved]
 
 _SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+_INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+
+
+def _int_hashes_from_env() -> bool:
+    """vLLM's switch between int (default) and raw-bytes wire hashes (C§4.1)."""
+    value = os.environ.get(_INT_HASHES_ENV, "1")
+    try:
+        return int(value) != 0
+    except ValueError:
+        raise OffloadError(
+            f"{_INT_HASHES_ENV} must be an integer (0 or 1), got {value!r}"
+        ) from None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -140,7 +155,9 @@ class OffloadEventTranslator:
         tokens_per_hash: tokens per raw request hash (vLLM's ``hash_block_size``);
             default: the GCD of the groups' ``tokens_per_block``.
         self_describing: opt into self-describing stores for full-attention groups.
-        int_hashes: convert hashes to wire ints (vLLM's default); else raw digest bytes.
+        int_hashes: convert hashes to wire ints; else raw digest bytes.  ``None`` (the
+            default) follows vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` environment
+            variable (an integer, default ``1``: ints), read when the translator is built.
         max_snapshots: bound of the snapshot table (oldest dropped first, counted).
     """
 
@@ -151,7 +168,7 @@ class OffloadEventTranslator:
         blocks_per_chunk: int = 1,
         tokens_per_hash: int | None = None,
         self_describing: bool = False,
-        int_hashes: bool = True,
+        int_hashes: bool | None = None,
         max_snapshots: int = 100_000,
     ) -> None:
         self.groups: list[OffloadGroup] = list(groups or [])
@@ -174,6 +191,9 @@ class OffloadEventTranslator:
         self.tokens_per_hash = tokens_per_hash
         self.self_describing = self_describing
         self.max_snapshots = max_snapshots
+        if int_hashes is None:
+            int_hashes = _int_hashes_from_env()
+        self.int_hashes = int_hashes
         self._to_wire: Callable[[bytes], ExternalBlockHash] = to_wire_hash if int_hashes else bytes
         self._snapshots: OrderedDict[OffloadKey, ChunkSnapshot] = OrderedDict()
         self._warned_fallback = False

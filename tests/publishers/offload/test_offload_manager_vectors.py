@@ -334,3 +334,132 @@ def test_offloading_event_shape_has_no_block_size() -> None:
         False,
         False,
     )
+
+
+# --- what a request's finish hands to the policy (C§5.4 prepare_store steps 2 and 5) ---
+
+
+def test_arc_ready_key_offered_for_storing_counts_as_reused_at_finish() -> None:
+    # prepare_store step 2: an offered key that is present and ready is *reused*, so at
+    # the request's finish ARC promotes it to T2 just as it would a loaded key.
+    m = CPUOffloadingManager(num_chunks=4, cache_policy="arc")
+    first = ReqContext(req_id="first")
+    m.prepare_store(Ks(1), first)
+    m.complete_store(Ks(1), first)
+    m.on_request_finished(first)
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert K(1) in policy.t1
+
+    second = ReqContext(req_id="second")
+    out = m.prepare_store(Ks(1, 2), second)
+    assert out is not None and ids_of(out.keys_to_store) == [2]
+    m.complete_store(Ks(2), second)
+    m.on_request_finished(second)
+    assert list(policy.t2) == [K(1)]
+    assert list(policy.t1) == [K(2)]
+
+
+def test_lru_finish_does_not_touch_a_key_another_request_is_still_writing() -> None:
+    # prepare_store records only its store candidates and the ready keys it reuses; a key
+    # offered while another request's write of it is in flight is neither, so this
+    # request's finish leaves its recency alone.
+    m = CPUOffloadingManager(num_chunks=2, cache_policy="lru")
+    writer = ReqContext(req_id="writer")
+    m.prepare_store(Ks(1), writer)
+    reader = ReqContext(req_id="reader")
+    reader.set_position(K(1), 16)
+    reader.set_position(K(2), 32)
+    out = m.prepare_store(Ks(1, 2), reader)
+    assert out is not None and ids_of(out.keys_to_store) == [2]
+    m.complete_store(Ks(1), writer)
+    m.complete_store(Ks(2), reader)
+    m.on_request_finished(writer)
+    m.on_request_finished(reader)
+    # The reader's finish made K(2) the most recent; K(1) was last touched by the writer.
+    assert store(m, [3], ReqContext(req_id="next")) == ([0], [1])
+
+
+def _two_group_request() -> tuple[ReqContext, list[OffloadKey]]:
+    """A hybrid request: group 1 (16-token chunks) is offered before group 0 (32)."""
+    ctx = ReqContext(req_id="hybrid")
+    g1 = [make_offload_key(f"g1-{p}".encode(), 1) for p in (16, 32, 48, 64)]
+    g0 = [make_offload_key(f"g0-{p}".encode(), 0) for p in (32, 64)]
+    for key, pos in zip(g1, (16, 32, 48, 64)):
+        ctx.set_position(key, pos)
+    for key, pos in zip(g0, (32, 64)):
+        ctx.set_position(key, pos)
+    return ctx, g1 + g0
+
+
+def _label(key: OffloadKey) -> str:
+    return get_offload_block_hash(key).decode()
+
+
+# C§5.5: at a request's finish the policy walks *all* of the request's keys tail to head
+# (one order over every KV group, by token position; groups by index, then first seen,
+# when positions are missing), so the head ends most recent whatever its group.
+HEAD_TO_TAIL = ["g1-16", "g0-32", "g1-32", "g1-48", "g0-64", "g1-64"]
+
+
+def test_lru_finish_orders_a_hybrid_request_by_position_across_groups() -> None:
+    m = CPUOffloadingManager(num_chunks=6, cache_policy="lru")
+    ctx, keys = _two_group_request()
+    m.prepare_store(keys[:4], ctx)
+    m.prepare_store(keys[4:], ctx)
+    m.complete_store(keys, ctx)
+    m.on_request_finished(ctx)
+    evicted: list[str] = []
+    for i in range(6):
+        out = m.prepare_store([K(100 + i)], ReqContext(req_id=f"n{i}"))
+        assert out is not None
+        evicted += [_label(k) for k in out.evicted_keys]
+    assert evicted == HEAD_TO_TAIL[::-1]
+
+
+def test_arc_finish_orders_a_hybrid_request_by_position_across_groups() -> None:
+    m = CPUOffloadingManager(num_chunks=6, cache_policy="arc")
+    ctx, keys = _two_group_request()
+    m.prepare_store(keys[:4], ctx)
+    m.prepare_store(keys[4:], ctx)
+    m.complete_store(keys, ctx)
+    m.on_request_finished(ctx)
+    policy = m.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert [_label(k) for k in policy.t1] == HEAD_TO_TAIL[::-1]  # LRU end first
+
+
+def test_lru_request_rank_is_drawn_afresh_after_a_reset() -> None:
+    # A request that spans reset_cache() gets a new request rank: its later stores are
+    # as recent as the stores of requests that started after the reset.
+    m = CPUOffloadingManager(num_chunks=2, cache_policy="lru")
+    long_running = ReqContext(req_id="long")
+    long_running.set_position(K(1), 16)
+    long_running.set_position(K(3), 32)
+    store(m, [1], long_running)
+    m.complete_store(Ks(1), long_running)
+    m.reset_cache()
+    newcomer = ReqContext(req_id="new")
+    store(m, [2], newcomer)
+    store(m, [3], long_running)
+    m.complete_store(Ks(2), newcomer)
+    m.complete_store(Ks(3), long_running)
+    assert store(m, [4], ReqContext(req_id="next")) == ([0], [2])
+
+
+def test_constructor_takes_vllm_arguments_by_name() -> None:
+    # C§5.4: CPUOffloadingManager(num_chunks, cache_policy, cache_policy_module_path,
+    # enable_events, store_threshold, max_tracker_size, info).
+    info = {"tier": "cpu", "bytes": 1 << 20}
+    m = CPUOffloadingManager(
+        num_chunks=2,
+        cache_policy="arc",
+        cache_policy_module_path=None,
+        enable_events=True,
+        store_threshold=1,
+        max_tracker_size=10,
+        info=info,
+    )
+    assert m.info == info
+    assert m.config_info() == info
+    assert CPUOffloadingManager(2).config_info() == {}

@@ -65,6 +65,9 @@ def test_store_then_load_into_other_blocks_is_bit_identical(device: str, bpc: in
     (res,) = worker.get_finished()
     assert (res.job_id, res.success) == (7, True)
     assert res.bytes == len(src_blocks) * worker.buffers.bytes_per_block
+    # vLLM's names for the same figures (C§5.6: TransferResult(job_id, success,
+    # transfer_size, transfer_time)).
+    assert (res.transfer_size, res.transfer_time) == (res.bytes, res.seconds)
 
     # host chunk c, sub-block j holds device block src_blocks[c_index * bpc + j]
     for dev, host in zip(layers, worker.buffers.host):

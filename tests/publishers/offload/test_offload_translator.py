@@ -389,3 +389,19 @@ def test_bytes_hash_mode() -> None:
     key = make_offload_key(b"abc", 2)
     (ev,) = tr.translate([stored([key])])
     assert ev.block_hashes == [b"abc"] and ev.group_idx == 2
+
+
+def test_hash_form_follows_vllm_env_var_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # C§4.1: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default "1") picks int or raw bytes.
+    key = make_offload_key(b"\x00" * 24 + b"\x01" * 8, 0)
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    (ev,) = OffloadEventTranslator().translate([stored([key])])
+    assert ev.block_hashes == [int.from_bytes(b"\x01" * 8, "big")]
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    (ev,) = OffloadEventTranslator().translate([stored([key])])
+    assert ev.block_hashes == [b"\x00" * 24 + b"\x01" * 8]
+    (ev,) = OffloadEventTranslator(int_hashes=True).translate([stored([key])])
+    assert isinstance(ev.block_hashes[0], int)  # an explicit choice wins
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(OffloadError, match="VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"):
+        OffloadEventTranslator()

@@ -21,7 +21,11 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
-from kvevents.publishers.offload.policies.base import CachePolicy, ChunkStatus
+from kvevents.publishers.offload.policies.base import (
+    CachePolicy,
+    ChunkStatus,
+    order_request_keys,
+)
 
 __all__ = ["ARCCachePolicy"]
 
@@ -107,19 +111,19 @@ class ARCCachePolicy(CachePolicy):
         reused: set[OffloadKey],
         ctx: ReqContext,
     ) -> None:
-        for group in reversed(key_groups):
-            for key in reversed(group):
-                if key in reused:
-                    chunk = self.t1.pop(key, None)
-                    if chunk is not None:
-                        self.t2[key] = chunk
-                    elif key in self.t2:
-                        self.t2.move_to_end(key)
-                elif key in insertion_only:
-                    if key in self.t1:
-                        self.t1.move_to_end(key)
-                    elif key in self.t2:
-                        self.t2.move_to_end(key)
+        # One tail-to-head walk over all of the request's keys, across its groups.
+        for key in reversed(order_request_keys(key_groups, ctx)):
+            if key in reused:
+                chunk = self.t1.pop(key, None)
+                if chunk is not None:
+                    self.t2[key] = chunk
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+            elif key in insertion_only:
+                if key in self.t1:
+                    self.t1.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
 
     # --- eviction ----------------------------------------------------------------------
 

@@ -19,7 +19,26 @@ from collections.abc import Iterator, Sequence
 
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
 
-__all__ = ["CachePolicy", "ChunkStatus"]
+__all__ = ["CachePolicy", "ChunkStatus", "order_request_keys"]
+
+
+def order_request_keys(
+    key_groups: Sequence[Sequence[OffloadKey]], ctx: ReqContext
+) -> list[OffloadKey]:
+    """All of a request's keys in one head-to-tail order across its KV groups.
+
+    The groups are concatenated in the order given; when every key has a position on
+    ``ctx`` they are then sorted by it (stably, so equal positions keep group order).
+    """
+    keys = [key for group in key_groups for key in group]
+    positions: dict[OffloadKey, int] = {}
+    for key in keys:
+        position = ctx.position(key)
+        if position is not None:
+            positions[key] = position
+    if len(positions) == len(set(keys)):
+        keys.sort(key=positions.__getitem__)
+    return keys
 
 
 class ChunkStatus:

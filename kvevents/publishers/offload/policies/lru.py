@@ -7,9 +7,13 @@ evicted first.
   ``(request_rank, -position)``: the request's rank is drawn once from a global counter,
   and within a request the tail (higher position) ranks lower, so it goes first.
 * A key without a position ranks ``(next_rank, 0)``: insertion order.
+* :meth:`clear` (a cache reset) voids every request rank drawn before it; a request
+  that spans the reset draws a new one.
 * :meth:`touch` gives fresh, increasing ranks walking the keys in reverse, so
   ``keys[0]`` ends most recent.
 * :meth:`on_request_access` raises a key to ``(request_rank, -position)`` if higher.
+* :meth:`on_request_finished` re-touches all of the request's keys in one tail-to-head
+  order across its KV groups (by position), so its head ends most recent.
 
 Evictable keys live in a lazy min-heap: entries whose rank is stale, or whose chunk is
 no longer evictable, are skipped when popped and the heap is rebuilt when stale entries
@@ -22,7 +26,11 @@ import heapq
 from collections.abc import Iterator, Sequence
 
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
-from kvevents.publishers.offload.policies.base import CachePolicy, ChunkStatus
+from kvevents.publishers.offload.policies.base import (
+    CachePolicy,
+    ChunkStatus,
+    order_request_keys,
+)
 
 __all__ = ["LRUCachePolicy"]
 
@@ -41,6 +49,7 @@ class LRUCachePolicy(CachePolicy):
         self._evictable: set[OffloadKey] = set()
         self._heap: list[tuple[Rank, OffloadKey]] = []
         self._next_rank = 0
+        self._generation = 0  # bumped by clear(): request ranks drawn before are void
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -52,11 +61,12 @@ class LRUCachePolicy(CachePolicy):
     def _request_rank(self, ctx: ReqContext) -> int:
         # Stored per policy instance so two managers sharing a context stay independent.
         slot = f"{_SCRATCH_RANK}.{id(self)}"
-        rank = ctx.scratch.get(slot)
-        if not isinstance(rank, int):
-            rank = self._next_rank
-            self._next_rank += 1
-            ctx.scratch[slot] = rank
+        entry = ctx.scratch.get(slot)
+        if isinstance(entry, tuple) and entry[0] == self._generation:
+            return int(entry[1])
+        rank = self._next_rank
+        self._next_rank += 1
+        ctx.scratch[slot] = (self._generation, rank)
         return rank
 
     def _set_rank(self, key: OffloadKey, rank: Rank) -> None:
@@ -103,6 +113,16 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(keys):
             if key in self._chunks:
                 self._set_rank(key, self._fresh_rank())
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: set[OffloadKey],
+        reused: set[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """Re-touch every key of the request, across groups, tail to head (head MRU)."""
+        self.touch(order_request_keys(key_groups, ctx), ctx)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         for key in keys:
@@ -161,3 +181,5 @@ class LRUCachePolicy(CachePolicy):
         self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
+        self._next_rank = 0
+        self._generation += 1
