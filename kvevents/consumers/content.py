@@ -59,11 +59,11 @@ def chain_units(parent: int, tokens: Sequence[int], unit: int) -> int:
 
 def prompt_keys(tokens: Sequence[int], unit: int, lora_name: str | None = None) -> list[int]:
     """Keys of every whole canonical unit of a prompt: ``keys[j]`` covers tokens ``[0, (j+1)·unit)``."""
-    t = tuple(tokens)
     k = root_key(lora_name)
     out: list[int] = []
     append = out.append
-    for a in range(0, len(t) - unit + 1, unit):
-        k = hash((k, t[a : a + unit]))
+    # zip over one iterator yields the whole units as tuples (a partial tail is dropped)
+    for unit_tokens in zip(*[iter(tokens)] * unit):
+        k = hash((k, unit_tokens))
         append(k)
     return out

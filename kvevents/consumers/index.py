@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from kvevents.consumers.content import extra_key, root_key
+from kvevents.consumers.content import ROOT_KEY, extra_key, root_key
 from kvevents.errors import ConfigError
 from kvevents.events import (
     MEDIUM_CPU,
@@ -81,6 +81,7 @@ Hash = Union[int, bytes]
 TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
 _TIER_OF: dict[str | None, int] = {None: 0, MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
+_PLACEHOLDER_TIER: dict[str, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
 #   bits 0-63 content key + 2**63, bit 64 "has a content key",
@@ -98,6 +99,7 @@ _OFF = 1 << 63
 _M65 = (1 << 65) - 1
 _GSHIFT = 170
 _G1 = 1 << _GSHIFT
+_G2 = 2 << _GSHIFT
 
 
 def _pack(
@@ -324,10 +326,19 @@ class _Layout:
     slot_chunk: dict[int, int]
     """Chunk size in tokens, per slot (absent: unknown)."""
     worker_slots: dict[WorkerId, tuple[int, ...]]
-    slot_bit: dict[int, int]
-    """``1 << slot``, precomputed."""
     worker_align: dict[WorkerId, int]
     """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
+    nslots: int = 0
+    """One more than the highest scoring slot."""
+    pos_wids: list[WorkerId | None] = field(default_factory=list)
+    """Indexed by ``slot + 1`` (a slot bit's ``bit_length()``): the slot's worker if the
+    slot is that worker's only scoring slot, else None; ``nslots + 1`` entries."""
+    pos_bits: list[int] = field(default_factory=list)
+    """Indexed by ``slot + 1``: ``1 << slot`` (entry 0 is 0)."""
+    simple_mask: int = 0
+    """Scoring slots whose worker has no other scoring slot."""
+    multi_workers: tuple[WorkerId, ...] = ()
+    """Workers with several scoring slots (hybrid models), resolved per worker."""
 
 
 def _bpc_lookup(config: int | Mapping[Any, int] | None, wid: WorkerId) -> int:
@@ -402,12 +413,132 @@ class BlockIndex:
 
     def apply(self, source: str, dp_rank: int, batch: KVEventBatch) -> None:
         """Apply every event of ``batch`` from worker ``(source, dp_rank)`` in order."""
-        self.stats.batches += 1
+        stats = self.stats
+        stats.batches += 1
         w = self._workers.get((source, dp_rank))
         if w is None:
             w = self._worker((source, dp_rank))
-        for ev in batch.events:
-            self._apply(w, ev)
+        # The dominant shape, a GPU BlockRemoved of one hash whose record is a packed int
+        # (vLLM sends one event per freed block), is applied inline: the same steps as
+        # _apply -> _remove, without the calls.  Everything else goes through _apply.
+        groups = w.groups
+        wid = w.wid
+        gpu_marks = self._marks[0]
+        retired = self._retired
+        retention = self.gpu_metadata_retention
+        applied = 0
+        block_events = 0
+        gpu_removed = 0  # not yet added to stats.removed["GPU"]
+        try:
+            for ev in batch.events:
+                if type(ev) is BlockRemoved:
+                    hashes = ev.block_hashes
+                    medium = ev.medium
+                    if medium == "CPU" or medium == "STORAGE":
+                        if ev.group_idx is not None:  # (not a legacy removal)
+                            if gpu_removed:
+                                stats.removed[MEDIUM_GPU] += gpu_removed
+                                gpu_removed = 0
+                            applied += 1
+                            block_events += len(hashes)
+                            self._remove(w, ev.group_idx, hashes, _TIER_OF[medium])
+                            continue
+                    elif len(hashes) == 1 and (medium == "GPU" or medium is None):
+                        group = ev.group_idx or 0
+                        gs = groups.get(group)
+                        if gs is not None:
+                            h = hashes[0]
+                            meta = gs.meta
+                            m = meta.get(h)
+                            if type(m) is int and m >= _G1:
+                                applied += 1
+                                block_events += 1
+                                gpu_removed += 1
+                                meta[h] = m - _G1
+                                if m >= _G2:
+                                    continue  # still held by another store
+                                if m & _HAS_CK:
+                                    ck = (m & _M64) - _OFF
+                                    v = gpu_marks.get(ck)
+                                    if v is not None:
+                                        if v == gs.bit:  # the only holder
+                                            del gpu_marks[ck]
+                                        else:
+                                            v &= ~gs.bit
+                                            if v:
+                                                gpu_marks[ck] = v
+                                            else:
+                                                del gpu_marks[ck]
+                                r = gs.refs
+                                if h in r[1] or h in r[2]:
+                                    continue
+                                self._resident -= 1
+                                retired[(wid, group, h)] = None
+                                if len(retired) > retention:
+                                    self._trim_retired()
+                                continue
+                elif type(ev) is BlockStored and ev.medium == "GPU":
+                    if gpu_removed:
+                        stats.removed[MEDIUM_GPU] += gpu_removed
+                        gpu_removed = 0
+                    applied += 1
+                    block_events += len(ev.block_hashes)
+                    self._store_described(w, ev, 0)
+                    continue
+                elif type(ev) is BlockStored and w.bpc_fixed:
+                    # a one-hash CPU/STORAGE placeholder whose GPU record is here: the
+                    # join of _store_placeholder and _ref, inline
+                    hashes = ev.block_hashes
+                    tier = _PLACEHOLDER_TIER.get(ev.medium, 0)  # type: ignore[arg-type]
+                    if (
+                        tier
+                        and len(hashes) == 1
+                        and not (ev.block_size > 0 and ev.token_ids)
+                        and type(hashes[0]) is int
+                    ):
+                        group = ev.group_idx or 0
+                        gs = groups.get(group)
+                        if gs is not None and (
+                            ev.kv_cache_spec_kind is None or gs.kind is not None
+                        ):
+                            h = hashes[0]
+                            m = gs.meta.get(h)
+                            if type(m) is int:
+                                if gpu_removed:
+                                    stats.removed[MEDIUM_GPU] += gpu_removed
+                                    gpu_removed = 0
+                                applied += 1
+                                block_events += 1
+                                stats.stored[TIERS[tier]] += 1
+                                stats.joined += 1
+                                r = gs.refs
+                                refs = r[tier]
+                                c = refs.get(h, 0)
+                                refs[h] = c + 1
+                                if c:
+                                    continue
+                                if m & _HAS_CK:
+                                    marks = self._marks[tier]
+                                    ck = (m & _M64) - _OFF
+                                    v = marks.get(ck)
+                                    marks[ck] = gs.bit if v is None else v | gs.bit
+                                if m >= _G1 or h in r[3 - tier]:
+                                    continue
+                                self._resident += 1
+                                if retired:
+                                    retired.pop((wid, group, h), None)
+                                if self._resident > self.max_blocks:
+                                    self._evict()
+                                continue
+                if gpu_removed:
+                    stats.removed[MEDIUM_GPU] += gpu_removed
+                    gpu_removed = 0
+                self._apply(w, ev)
+        finally:
+            if gpu_removed:
+                stats.removed[MEDIUM_GPU] += gpu_removed
+            stats.applied += applied
+            stats.block_events += block_events
 
     def apply_event(self, worker: WorkerId, event: KVEvent) -> None:
         """Apply one event from ``worker``."""
@@ -578,16 +709,96 @@ class BlockIndex:
         pk: int | None
         pend: int | None
         if parent is None:
-            pk, pend = root_key(lora), 0
+            pk, pend = (ROOT_KEY if lora is None else root_key(lora)), 0
         else:
             pm = meta.get(parent)
             if pm is None:
                 pk = pend = None
+            elif type(pm) is int:  # _ck and _end_tokens of a packed record, inline
+                pk = (pm & _M64) - _OFF if pm & _HAS_CK else None
+                e = (pm >> 65) & _M20
+                pend = (e - 1) * ((pm >> 85) & _M20) if e else None
             else:
                 pk, pend = _ck(pm), _end_tokens(pm)
-        t = tuple(toks) if index_keys or self.keep_token_ids else ()
         pending = self._pending
-        for i in range(n):
+        first = 0
+        if (
+            tier == 0
+            and index_keys
+            and lora is None
+            and extras is None
+            and not self.keep_token_ids
+            and not pending
+            and size <= _M20
+            and (parent is None or (type(parent) is int and 0 <= parent <= _M64))
+            and (pend is None or pend // size + n < _M20)
+        ):
+            # Fast path for the usual GPU store: new records packed inline (the fields
+            # of _pack added up) and refcounted as _ref would (a hash with no record has
+            # no residency and no retirement entry: both always go with a record).  It
+            # stops at the first block that needs the general path below.
+            q = size // unit
+            # the blocks' canonical units as tuples, in order
+            it = zip(*[iter(toks[off:] if off else toks)] * unit)
+            marks = self._marks[0]
+            r1, r2 = gs.refs[1], gs.refs[2]
+            bit = gs.bit
+            fixed = (size << 85) + _G1  # block size and a GPU refcount of 1
+            keyed = fixed + _HAS_CK + _OFF  # plus the key flag and offset
+            step = 1 << 65
+            end_field = ((pend // size + 1) << 65) if pend is not None else 0
+            parent_field = ((parent + 1) << 105) if parent is not None else 0
+            resident = self._resident
+            max_blocks = self.max_blocks
+            setdefault = meta.setdefault
+            try:
+                for h in hashes:
+                    if type(h) is not int or not 0 <= h <= _M64:
+                        break
+                    if pk is not None:
+                        if q == 1:
+                            k = hash((pk, next(it)))
+                        else:
+                            k = pk
+                            for _ in range(q):
+                                k = hash((k, next(it)))
+                        v = keyed + k
+                    else:
+                        for _ in range(q):
+                            next(it)
+                        k = None
+                        v = fixed
+                    if end_field:
+                        v += end_field + step
+                    v += parent_field
+                    # insert only if new (a fresh int is never the stored object)
+                    if setdefault(h, v) is not v:
+                        break  # the hash has a record: the general path takes over
+                    if end_field:
+                        end_field += step
+                    if k is not None:
+                        mv = marks.get(k)
+                        marks[k] = bit if mv is None else mv | bit
+                    else:
+                        stats.skipped["unknown_parent"] += 1
+                    if h not in r1 and h not in r2:
+                        resident += 1
+                        if resident > max_blocks:
+                            self._resident = resident
+                            self._evict()
+                            resident = self._resident
+                    pk = k
+                    parent_field = (h + 1) << 105
+                    parent = h
+                    first += 1
+            finally:
+                self._resident = resident
+            if first == n:
+                return  # (index_keys held: nothing to count as skipped)
+            if first:
+                pend = None if pend is None else pend + first * size
+        t = tuple(toks) if index_keys or self.keep_token_ids else ()
+        for i in range(first, n):
             h = hashes[i]
             m = meta.get(h)
             ck = _ck(m) if m is not None else None
@@ -830,17 +1041,37 @@ class BlockIndex:
                     continue
                 del refs[h]
                 m = meta.get(h)
+                if type(m) is int:  # the packed record, inline
+                    elsewhere = m >= _G1 or h in r[3 - tier]
+                    if m & _HAS_CK:
+                        ck = (m & _M64) - _OFF
+                        v = marks.get(ck)
+                        if v is not None:
+                            if v == bit:  # the only holder
+                                del marks[ck]
+                            else:
+                                v &= ~bit
+                                if v:
+                                    marks[ck] = v
+                                else:
+                                    del marks[ck]
+                    if not elsewhere:
+                        self._resident -= 1
+                        retired[(wid, group, h)] = None
+                        if len(retired) > self.gpu_metadata_retention:
+                            self._trim_retired()
+                    continue
                 elsewhere = (m is not None and _gpu(m) > 0) or h in r[3 - tier]
             if m is not None:
-                ck = _ck(m)
-                if ck is not None:
-                    v = marks.get(ck)
+                mck = _ck(m)
+                if mck is not None:
+                    v = marks.get(mck)
                     if v is not None:
                         v &= ~bit
                         if v:
-                            marks[ck] = v
+                            marks[mck] = v
                         else:
-                            del marks[ck]
+                            del marks[mck]
             if not elsewhere:
                 self._resident -= 1
                 retired[(wid, group, h)] = None
@@ -1073,6 +1304,13 @@ class BlockIndex:
                 slot_chunk[slot] = size * w.bpc
                 v = u * w.bpc
                 chunk[v] = chunk.get(v, 0) | gs.bit
+        nslots = max(slot_worker, default=-1) + 1
+        pos_wids: list[WorkerId | None] = [None] * (nslots + 1)
+        simple_mask = 0
+        for wid, slots in worker_slots.items():
+            if len(slots) == 1:
+                pos_wids[slots[0] + 1] = wid
+                simple_mask |= 1 << slots[0]
         self._layout = _Layout(
             canonical=unit,
             gpu_classes=sorted(gpu.items()),
@@ -1083,10 +1321,14 @@ class BlockIndex:
             slot_block=slot_block,
             slot_chunk=slot_chunk,
             worker_slots={k: tuple(v) for k, v in worker_slots.items()},
-            slot_bit={s: 1 << s for s in slot_worker},
             worker_align={
                 k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
             },
+            nslots=nslots,
+            pos_wids=pos_wids,
+            pos_bits=[0] + [1 << s for s in range(nslots)],
+            simple_mask=simple_mask,
+            multi_workers=tuple(sorted(k for k, v in worker_slots.items() if len(v) > 1)),
         )
         return self._layout
 
