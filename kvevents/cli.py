@@ -1,21 +1,199 @@
-"""The ``kvevents`` command line: ``inspect`` (and, as they land, record, replay, demo).
+"""The ``kvevents`` command line: ``record``, ``inspect``, ``replay`` and ``demo``.
 
 Each subcommand imports what it needs lazily, so ``kvevents inspect`` starts fast and
-never imports torch.
+never imports torch.  Exit status: 0 on success, 2 for a usage or input error (with a
+one-line ``kvevents: error: ...`` on stderr), 130 when interrupted where a command has
+nothing to save.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import IO, Any
 
-from kvevents.errors import KVEventsError
+from kvevents.errors import ConfigError, KVEventsError
 
 __all__ = ["build_parser", "main"]
 
 
+# --- shared helpers ----------------------------------------------------------------------
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGINT/SIGTERM while the block runs (main thread only), so a
+    long-running command can finish cleanly instead of dying mid-write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _StatusLine:
+    """A single self-overwriting status line on a terminal; periodic lines otherwise."""
+
+    def __init__(self, stream: IO[str], interval_s: float = 0.5, enabled: bool = True) -> None:
+        self.stream = stream
+        self.interval_s = interval_s if stream.isatty() else max(interval_s, 5.0)
+        self.enabled = enabled
+        self.tty = stream.isatty()
+        # Redirected output gets a line every few seconds, the first after one interval.
+        self._last = 0.0 if self.tty else time.monotonic()
+        self._width = 0
+
+    def update(self, text: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self._last < self.interval_s):
+            return
+        self._last = now
+        if self.tty:
+            pad = max(0, self._width - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _json_default(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode itself (bytes in capture metadata)."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"hex": bytes(value).hex()}
+    return str(value)
+
+
+def _print_anomaly(anomaly: Any, stream: IO[str]) -> None:
+    rank = "?" if anomaly.dp_rank is None else anomaly.dp_rank
+    span = ""
+    if anomaly.first_seq is not None:
+        span = f" seq {anomaly.first_seq}"
+        if anomaly.last_seq is not None and anomaly.last_seq != anomaly.first_seq:
+            span += f"..{anomaly.last_seq}"
+    detail = f": {anomaly.detail}" if anomaly.detail else ""
+    print(f"anomaly {anomaly.kind} {anomaly.source}#{rank}{span}{detail}", file=stream)
+
+
+def _require(module: str, names: Sequence[str], command: str) -> None:
+    """Raise :class:`ConfigError` naming what is missing when a room is not installed."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{command} needs {module}, which cannot be imported: {exc}") from exc
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise ConfigError(
+            f"{command} needs {', '.join(missing)} from {module}, which this build lacks"
+        )
+
+
+# --- record ------------------------------------------------------------------------------
+def _cmd_record(args: argparse.Namespace) -> int:
+    _require("kvevents.consumers", ["Subscriber", "ReceivedBatch", "Anomaly"], "kvevents record")
+    from kvevents.capture import CaptureWriter
+    from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
+
+    replay = args.replay_endpoint or None
+    if replay is not None and len(replay) != len(args.endpoints):
+        raise ConfigError(
+            f"give one --replay-endpoint per endpoint ({len(args.endpoints)}), got {len(replay)}"
+        )
+    meta = {
+        "endpoints": list(args.endpoints),
+        "replay_endpoints": list(replay or []),
+        "topic": args.topic,
+        "recorder": "kvevents record",
+    }
+    stop = threading.Event()
+    status = _StatusLine(sys.stderr, enabled=not args.quiet)
+    batches = events = 0
+    gaps: Counter[str] = Counter()
+    start = time.monotonic()
+    deadline = start + args.duration if args.duration is not None else None
+    sub = Subscriber(
+        args.endpoints,
+        topic=args.topic.encode("utf-8"),
+        replay_endpoints=replay,
+        replay_from_start=args.from_start,
+    )
+    try:
+        with (
+            CaptureWriter(args.output, meta=meta, append=args.append) as writer,
+            _stop_on_signals(stop),
+        ):
+            draining = False
+            while True:
+                if args.count is not None and batches >= args.count:
+                    break
+                now = time.monotonic()
+                if not draining and (stop.is_set() or (deadline is not None and now >= deadline)):
+                    draining = True  # keep what the subscriber already has ready
+                if draining:
+                    item = sub.receive(timeout=0)
+                    if item is None:
+                        break
+                else:
+                    wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
+                    item = sub.receive(timeout=wait)
+                if isinstance(item, ReceivedBatch):
+                    writer.write(
+                        item.source,
+                        item.topic,
+                        item.seq,
+                        item.payload,
+                        recv_ts=item.recv_ts,
+                        replayed=item.replayed,
+                    )
+                    batches += 1
+                    events += len(item.batch.events)
+                elif isinstance(item, Anomaly):
+                    gaps[item.kind] += 1
+                    if not args.quiet:
+                        status.done()
+                        _print_anomaly(item, sys.stderr)
+                elapsed = max(time.monotonic() - start, 1e-9)
+                status.update(
+                    f"recording {args.output}: {batches} batches, {events} events, "
+                    f"{gaps['gap']} gaps ({sub.stats.replayed_batches} replayed, "
+                    f"{sub.stats.lost_batches} lost), {events / elapsed:,.0f} events/s"
+                )
+            written = writer.records_written
+    finally:
+        sub.close()
+        status.done()
+    elapsed = time.monotonic() - start
+    anomalies = ", ".join(f"{k} x{n}" for k, n in sorted(gaps.items())) or "none"
+    print(
+        f"recorded {written} batches ({events} events) from {len(args.endpoints)} endpoint(s) "
+        f"in {elapsed:.1f} s to {args.output}; anomalies: {anomalies}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# --- inspect -----------------------------------------------------------------------------
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from kvevents.capture import CaptureReader
     from kvevents.inspection import EventFilter, dumps_event, format_event, iter_events, summarize
@@ -25,12 +203,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.summary:
             summary = summarize(reader, flt)
             summary.tail_error = reader.tail_error
+            summary.meta = dict(reader.meta)
             if args.json:
-                print(json.dumps(summary.to_json()))
+                print(json.dumps(summary.to_json(), default=_json_default))
             else:
                 print(summary.to_text())
         else:
-            errors: list = []
+            errors: list[Any] = []
             shown = 0
             for ev in iter_events(reader, errors=errors):
                 if not flt.matches(ev):
@@ -51,12 +230,406 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- replay ------------------------------------------------------------------------------
+def _cmd_replay(args: argparse.Namespace) -> int:
+    if args.into_index == bool(args.publish):
+        raise ConfigError("replay needs exactly one of --into-index or --publish ENDPOINT")
+    if args.into_index:
+        return _replay_into_index(args)
+    return _replay_publish(args)
+
+
+def _count_records(path: str) -> int:
+    from kvevents.capture import CaptureReader
+
+    with CaptureReader(path) as reader:
+        return sum(1 for _ in reader)
+
+
+def _replay_into_index(args: argparse.Namespace) -> int:
+    _require(
+        "kvevents.consumers",
+        ["Subscriber", "BlockIndex", "CaptureSource"],
+        "kvevents replay --into-index",
+    )
+    from kvevents.consumers import Anomaly, BlockIndex, CaptureSource, ReceivedBatch, Subscriber
+
+    total = _count_records(args.file)
+    source = CaptureSource(args.file, name=f"capture:{args.file}")
+    sub = Subscriber([source])
+    index = BlockIndex(blocks_per_chunk=args.blocks_per_chunk)
+    anomalies: list[Any] = []
+    bar = _progress(total, "replaying", disable=args.quiet or args.json)
+    try:
+        while True:
+            item = sub.receive(timeout=1.0)
+            if item is None:
+                if source.exhausted:
+                    break
+                continue
+            bar.update(1)
+            if isinstance(item, ReceivedBatch):
+                index.apply(item.source, item.dp_rank, item.batch)
+            elif isinstance(item, Anomaly):
+                anomalies.append(item)
+                if item.needs_reset:
+                    index.reset_worker((item.source, item.dp_rank or 0))
+    finally:
+        bar.close()
+        sub.close()
+    summary = index.summary()
+    if args.json:
+        print(json.dumps(_index_json(index, summary, anomalies, source.tail_error)))
+        return 0
+    print(_index_text(index, summary, sub.stats))
+    if anomalies:
+        print(f"anomalies ({len(anomalies)}):")
+        for a in anomalies:
+            _print_anomaly(a, sys.stdout)
+    else:
+        print("anomalies: none")
+    if source.tail_error:
+        print(
+            f"warning: {args.file}: {source.tail_error}; the records before it were replayed",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _index_text(index: Any, summary: dict[Any, Any], sub_stats: Any) -> str:
+    st = index.stats
+    lines = [
+        f"index: {len(summary)} worker(s), {st.batches} batches, "
+        f"{getattr(st, 'applied', getattr(st, 'events', 0))} events applied; "
+        f"{sub_stats.replayed_batches} replayed, {sub_stats.lost_batches} lost",
+        f"{'worker':<40} {'tier':<8} {'entries':>9} {'tokens':>10}",
+    ]
+    for wid, ws in summary.items():
+        name = f"{wid[0]}#{wid[1]}"
+        for tier, ts in ws.tiers.items():
+            lines.append(f"{name:<40} {tier:<8} {ts.entries:>9,} {ts.tokens:>10,}")
+            name = ""
+        bpc = ws.blocks_per_chunk if ws.blocks_per_chunk is not None else "?"
+        lines.append(
+            f"{'':<40} groups {ws.groups}, blocks_per_chunk {bpc}, "
+            f"metadata kept {ws.retained_metadata:,}"
+        )
+    lines.append(
+        f"joins: {st.joined} CPU/STORAGE chunks joined to GPU metadata ({st.joined_late} late), "
+        f"{sum(st.unjoined.values())} unjoined" + (f" {dict(st.unjoined)}" if st.unjoined else "")
+    )
+    if st.unknown_removals:
+        lines.append(f"removals of unknown hashes: {dict(st.unknown_removals)}")
+    if st.skipped:
+        lines.append(f"skipped: {dict(st.skipped)}")
+    return "\n".join(lines)
+
+
+def _index_json(
+    index: Any, summary: dict[Any, Any], anomalies: list[Any], tail_error: str | None
+) -> dict[str, Any]:
+    st = index.stats
+    return {
+        "workers": [
+            {
+                "source": wid[0],
+                "dp_rank": wid[1],
+                "groups": ws.groups,
+                "blocks_per_chunk": ws.blocks_per_chunk,
+                "tiers": {
+                    t: {"entries": s.entries, "tokens": s.tokens} for t, s in ws.tiers.items()
+                },
+                "retained_metadata": ws.retained_metadata,
+            }
+            for wid, ws in summary.items()
+        ],
+        "stats": {k: (dict(v) if isinstance(v, Counter) else v) for k, v in vars(st).items()},
+        "anomalies": [
+            {
+                "kind": a.kind,
+                "source": a.source,
+                "dp_rank": a.dp_rank,
+                "first_seq": a.first_seq,
+                "last_seq": a.last_seq,
+                "detail": a.detail,
+            }
+            for a in anomalies
+        ],
+        "tail_error": tail_error,
+    }
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, *, disable: bool) -> Any:
+    if disable:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False)
+
+
+def _replay_publish(args: argparse.Namespace) -> int:
+    _require(
+        "kvevents.publishers", ["KVEventsConfig", "create_publisher"], "kvevents replay --publish"
+    )
+    from kvevents.capture import CaptureReader
+    from kvevents.codec import BatchDecoder
+    from kvevents.errors import DecodeError
+    from kvevents.publishers import KVEventsConfig, create_publisher
+
+    if args.speed is not None and args.speed <= 0:
+        raise ConfigError("--speed must be > 0")
+    with CaptureReader(args.file) as reader:
+        records = [r for r in reader if args.source is None or r.source == args.source]
+        tail_error = reader.tail_error
+    sources: list[str] = []
+    for r in records:
+        if r.source not in sources:
+            sources.append(r.source)
+    if len(sources) > len(args.publish):
+        listing = "\n  ".join(sources)
+        raise ConfigError(
+            f"the capture holds {len(sources)} publishers; give one --publish endpoint each "
+            f"(in this order) or pick one with --source:\n  {listing}"
+        )
+    replay_eps = args.replay_endpoint or []
+    if replay_eps and len(replay_eps) != len(args.publish):
+        raise ConfigError("give one --replay-endpoint per --publish endpoint")
+    decoder = BatchDecoder()
+    publishers: dict[tuple[str, int], Any] = {}
+    last_seq: dict[tuple[str, int], int] = {}
+    stop = threading.Event()
+    status = _StatusLine(sys.stderr, enabled=not args.quiet)
+    sent = skipped = events = 0
+    skip_reasons: Counter[str] = Counter()
+    first_ts = records[0].recv_ts if records else 0.0
+    start = time.monotonic()
+    try:
+        with _stop_on_signals(stop):
+            for rec in records:
+                if stop.is_set():
+                    break
+                try:
+                    batch = decoder.decode(rec.payload)
+                except DecodeError:
+                    skipped += 1
+                    skip_reasons["undecodable"] += 1
+                    continue
+                rank = batch.data_parallel_rank or 0
+                key = (rec.source, rank)
+                if rec.seq >= 0 and rec.seq <= last_seq.get(key, -1):
+                    skipped += 1
+                    skip_reasons["duplicate"] += 1
+                    continue
+                last_seq[key] = rec.seq
+                pub = publishers.get(key)
+                if pub is None:
+                    i = sources.index(rec.source)
+                    cfg = KVEventsConfig(
+                        enable_kv_cache_events=True,
+                        publisher="zmq",
+                        endpoint=args.publish[i],
+                        replay_endpoint=replay_eps[i] if replay_eps else None,
+                        buffer_steps=args.buffer_steps,
+                        topic=rec.topic.decode("utf-8", "replace"),
+                    )
+                    pub = publishers[key] = create_publisher(cfg, data_parallel_rank=rank)
+                    if not args.quiet:
+                        status.done()
+                        rep = getattr(pub, "replay_endpoint", None)
+                        print(
+                            f"publishing {rec.source}#{rank} on {getattr(pub, 'endpoint', '?')}"
+                            + (f" (replay {rep})" if rep else ""),
+                            file=sys.stderr,
+                        )
+                    if args.wait_subscribers > 0:
+                        stop.wait(args.wait_subscribers)
+                if not args.max_rate:
+                    due = (rec.recv_ts - first_ts) / (args.speed or 1.0)
+                    delay = due - (time.monotonic() - start)
+                    if delay > 0 and stop.wait(delay):
+                        break
+                pub.publish(batch)
+                sent += 1
+                events += len(batch.events)
+                elapsed = max(time.monotonic() - start, 1e-9)
+                status.update(
+                    f"replaying {args.file}: {sent}/{len(records)} batches, {events} events, "
+                    f"{events / elapsed:,.0f} events/s"
+                )
+            if args.hold > 0 and publishers and not stop.is_set():
+                status.done()
+                if not args.quiet:
+                    print(f"holding the replay buffers for {args.hold:g} s", file=sys.stderr)
+                stop.wait(args.hold)
+    finally:
+        status.done()
+        for pub in publishers.values():
+            pub.shutdown()
+    reasons = ", ".join(f"{k} x{n}" for k, n in sorted(skip_reasons.items()))
+    print(
+        f"republished {sent} batches ({events} events) from {args.file} in "
+        f"{time.monotonic() - start:.1f} s"
+        + (f"; skipped {skipped} ({reasons})" if skipped else ""),
+        file=sys.stderr,
+    )
+    if tail_error:
+        print(
+            f"warning: {args.file}: {tail_error}; the records before it were sent", file=sys.stderr
+        )
+    return 0
+
+
+# --- demo --------------------------------------------------------------------------------
+def _demo_engine(args: argparse.Namespace, default: Any) -> Any:
+    """The demo's engine shape with the command-line overrides, or None if none given."""
+    from dataclasses import replace
+
+    from kvevents.sim import KVCacheGroupSpec
+
+    changes: dict[str, Any] = {}
+    if args.block_sizes:
+        try:
+            sizes = [int(x) for x in args.block_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--block-sizes wants integers like 16,32, got {args.block_sizes!r}"
+            ) from None
+        if not sizes:
+            raise ConfigError("--block-sizes needs at least one block size")
+        changes["groups"] = tuple(KVCacheGroupSpec(b) for b in sizes)
+    for flag, name in (
+        ("gpu_blocks", "num_gpu_blocks"),
+        ("cpu_chunks", "num_cpu_chunks"),
+        ("blocks_per_chunk", "blocks_per_chunk"),
+        ("cpu_policy", "cpu_cache_policy"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            changes[name] = value
+    if not changes:
+        return None
+    engine = replace(default, **changes)
+    engine.validate()
+    return engine
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    _require("kvevents.consumers", ["Subscriber", "BlockIndex", "Router"], "kvevents demo")
+    _require("kvevents.publishers", ["ZmqEventPublisher"], "kvevents demo")
+    from kvevents.sim.demo import (
+        DemoConfig,
+        format_report,
+        report_to_json,
+        run_demo,
+        write_plot,
+    )
+
+    base = DemoConfig.quick() if args.quick else DemoConfig()
+    overrides: dict[str, Any] = {}
+    for name in ("engines", "requests", "seed", "dp_ranks"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    if args.policy:
+        overrides["policies"] = tuple(dict.fromkeys(args.policy))
+    if args.endpoint:
+        overrides["bind"] = args.endpoint
+    if args.device:
+        overrides["device"] = args.device
+    if args.record:
+        overrides["record_path"] = args.record
+    engine = _demo_engine(args, base.engine_config())
+    if engine is not None:
+        overrides["engine"] = engine
+    hold = args.hold if args.hold is not None else (2.0 if args.endpoint else 0.0)
+    if hold < 0:
+        raise ConfigError("--hold must be >= 0")
+    overrides["hold_s"] = hold
+    config = replace(base, **overrides)
+    status = _StatusLine(sys.stderr, enabled=not args.quiet)
+
+    def progress(policy: str, done: int, total: int) -> None:
+        status.update(f"demo: {policy}: {done}/{total} requests routed", force=done == total)
+
+    def on_start(policy: str, cluster: Any) -> None:
+        if args.quiet:
+            return
+        status.done()
+        print(f"demo: {policy}: {len(cluster.workers)} engine rank(s) publishing:", file=sys.stderr)
+        for w in cluster.workers:
+            print(
+                f"  {w.engine.name:<14} {w.endpoint}  replay {w.replay_endpoint}",
+                file=sys.stderr,
+            )
+
+    try:
+        report = run_demo(config, progress=progress, on_start=on_start)
+    finally:
+        status.done()
+    why_not = write_plot(report, args.plot) if args.plot else "no --plot file"
+    if args.json:
+        out = report_to_json(report)
+        out["plot"] = None if why_not else args.plot
+        print(json.dumps(out))
+        return 0
+    print(format_report(report))
+    if args.plot:
+        print(f"plot skipped: {why_not}" if why_not else f"plot written to {args.plot}")
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvevents",
-        description="Record, inspect and replay vLLM KV-cache event streams.",
+        description="Record, inspect and replay vLLM KV-cache event streams; run the demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "record",
+        help="subscribe to publishers and write a capture file",
+        description="Subscribe to one or more publishers (gaps are repaired by replay when a "
+        "replay endpoint is given) and write every batch to a capture file.  Stops on "
+        "Ctrl-C / SIGTERM, after --duration seconds or --count batches; the file is "
+        "always left complete.",
+    )
+    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="publisher PUB endpoint(s)")
+    p.add_argument("-o", "--output", required=True, help="capture file to write (.kvcap)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="continue an existing capture (a damaged tail is cut off) instead of replacing it",
+    )
+    p.add_argument(
+        "--replay-endpoint",
+        action="append",
+        metavar="ENDPOINT",
+        help="replay (ROUTER) endpoint, once per ENDPOINT in the same order",
+    )
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument(
+        "--from-start",
+        action="store_true",
+        help="fetch each publisher's buffered history from seq 0 when first seen",
+    )
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    stop.add_argument("--count", type=int, metavar="N", help="stop after N batches")
+    p.add_argument("-q", "--quiet", action="store_true", help="no status line")
+    p.set_defaults(func=_cmd_record)
 
     p = sub.add_parser("inspect", help="print the events of a capture file")
     p.add_argument("file", help="capture file (.kvcap)")
@@ -70,6 +643,122 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", help="only this source, or source#rank")
     p.add_argument("--limit", type=int, help="stop after this many events")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "replay",
+        help="feed a capture into a block index, or republish it over ZMQ",
+        description="--into-index: apply the capture to a BlockIndex (as a live subscriber "
+        "would) and print what it holds per worker and tier, and every anomaly.  "
+        "--publish: republish it with the ZMQ publisher (with replay) at the recorded "
+        "pace, --speed times faster, or --max-rate.",
+    )
+    p.add_argument("file", help="capture file (.kvcap)")
+    p.add_argument("--into-index", action="store_true", help="replay into a BlockIndex")
+    p.add_argument(
+        "--blocks-per-chunk",
+        type=int,
+        metavar="N",
+        help="GPU blocks per CPU chunk of the engines (default: learned from the stream)",
+    )
+    p.add_argument("--json", action="store_true", help="--into-index: print JSON")
+    p.add_argument(
+        "--publish",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="PUB endpoint to republish on (once per publisher in the capture; DP ranks use "
+        "vLLM's port offsets)",
+    )
+    p.add_argument(
+        "--replay-endpoint",
+        action="append",
+        metavar="ENDPOINT",
+        help="replay ROUTER endpoint, once per --publish",
+    )
+    p.add_argument("--source", help="republish only this recorded publisher")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
+    pace.add_argument("--max-rate", action="store_true", help="as fast as possible")
+    p.add_argument(
+        "--buffer-steps", type=int, default=10_000, help="replay buffer length (batches)"
+    )
+    p.add_argument(
+        "--wait-subscribers",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="pause S seconds after binding each publisher so subscribers can connect",
+    )
+    p.add_argument(
+        "--hold",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the publishers (and their replay buffers) up S seconds after the last batch",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser(
+        "demo",
+        help="simulated engines + subscriber + index + router: compare routing policies",
+        description="Run simulated engines on loopback, subscribe to their KV events, build "
+        "the block index and route a seeded chat workload with the KV-aware router, "
+        "round-robin and random; print hit rates per tier and write a plot.",
+    )
+    p.add_argument("--quick", action="store_true", help="a few-second run")
+    p.add_argument("--engines", type=int, help="number of engines")
+    p.add_argument("--dp-ranks", type=int, help="data-parallel ranks per engine")
+    p.add_argument("--requests", type=int, help="requests in the workload")
+    p.add_argument("--seed", type=int, help="workload seed")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=["kv-aware", "round-robin", "random"],
+        help="run only this policy (repeatable; default: all three)",
+    )
+    p.add_argument(
+        "--endpoint",
+        metavar="ENDPOINT",
+        help="PUB endpoint of engine 0, e.g. tcp://*:5557 (engine i, rank r: port + i*ranks "
+        "+ r; replay: port + 100 + ...); default: ephemeral ports",
+    )
+    p.add_argument(
+        "--device",
+        help="where the engines' simulated KV cache lives: cpu (default) or cuda",
+    )
+    p.add_argument(
+        "--block-sizes",
+        metavar="B[,B...]",
+        help="KV-cache groups by block size in tokens, e.g. 16 or 16,32 (hybrid; default 16)",
+    )
+    p.add_argument("--gpu-blocks", type=int, metavar="N", help="GPU blocks per engine (96)")
+    p.add_argument(
+        "--cpu-chunks", type=int, metavar="N", help="CPU offload chunks per engine (128; 0: off)"
+    )
+    p.add_argument("--blocks-per-chunk", type=int, metavar="N", help="GPU blocks per CPU chunk (4)")
+    p.add_argument("--cpu-policy", choices=["lru", "arc"], help="CPU cache policy (lru)")
+    p.add_argument(
+        "--hold",
+        type=float,
+        metavar="S",
+        help="keep each policy's engines up S seconds before and after routing, so "
+        "`kvevents record` can join and replay (default: 2 with --endpoint, else 0)",
+    )
+    p.add_argument(
+        "--plot",
+        default="kvevents-demo.png",
+        metavar="FILE",
+        help="PNG to write (default kvevents-demo.png; '' for none)",
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="also write every batch the demo's subscriber receives to this capture file",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 
@@ -83,6 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # e.g. `kvevents inspect f | head`
         return 0
+    except OSError as exc:  # e.g. an output directory that does not exist
+        print(f"kvevents: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -6,6 +6,7 @@ Used by ``kvevents inspect``; usable on its own for notebooks and scripts.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -184,7 +185,12 @@ class CaptureSummary:
     unknown_tags: Counter[str] = field(default_factory=Counter)
     placeholders: int = 0
     placeholders_joined: int = 0
+    replayed: int = 0
+    first_recv_ts: float | None = None
+    last_recv_ts: float | None = None
     tail_error: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The capture header's metadata (set by the caller that has the reader)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
@@ -197,6 +203,18 @@ class CaptureSummary:
             f"CPU/STORAGE placeholders {self.placeholders}, joined to a GPU store "
             f"{self.placeholders_joined}",
         ]
+        if self.first_recv_ts is not None and self.last_recv_ts is not None:
+            lines.append(
+                f"received over {self.last_recv_ts - self.first_recv_ts:.1f} s "
+                f"(from {_utc(self.first_recv_ts)}); {self.replayed} record(s) came by replay"
+            )
+        if self.meta.get("recorder") or self.meta.get("endpoints"):
+            by = self.meta.get("recorder", self.meta.get("tool", "?"))
+            endpoints = self.meta.get("endpoints") or []
+            lines.append(
+                f"recorded by {by}"
+                + (" from " + ", ".join(str(e) for e in endpoints) if endpoints else "")
+            )
         for title, counter in (
             ("type", self.by_type),
             ("medium", self.by_medium),
@@ -224,6 +242,10 @@ def summarize(
     gpu_keys: set[tuple[str, int | None, Any]] = set()
     for rec in records:
         s.records += 1
+        s.replayed += rec.replayed
+        if s.first_recv_ts is None:
+            s.first_recv_ts = rec.recv_ts
+        s.last_recv_ts = rec.recv_ts
         try:
             batch = dec.decode(rec.payload)
         except DecodeError:
@@ -275,6 +297,10 @@ def summarize(
                 pass
     s.unknown_tags = dec.stats.unknown_tags
     return s
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 def dumps_event(ev: DecodedEvent) -> str:

@@ -1,1 +1,81 @@
-"""An engine simulator that emits vLLM-shaped KV events (drives the demo and tests)."""
+"""An engine simulator that emits vLLM-shaped KV events (drives the demo and tests).
+
+:class:`SimEngine` is one engine (one DP rank): a :class:`GPUBlockPool` with prefix
+caching and vLLM-compatible hashes, an optional CPU tier (:class:`SimOffload`, over
+``kvevents.publishers.offload``), and a publisher.  :func:`generate_workload` makes a
+seeded chat workload.  :class:`SimCluster` puts engines behind real ZMQ publishers on
+loopback; :func:`run_demo` is ``kvevents demo``: engines, subscriber, index and router in
+one process, comparing routing policies.
+"""
+
+from kvevents.sim.block_pool import (
+    BlockPoolStats,
+    GPUBlockPool,
+    KVCacheGroupSpec,
+    RequestHasher,
+    group_block_hashes,
+    hash_block_size,
+)
+from kvevents.sim.cluster import (
+    ClusterConfig,
+    SimCluster,
+    SimWorker,
+    engine_endpoint,
+    loopback_endpoint,
+)
+from kvevents.sim.demo import (
+    POLICIES,
+    DemoConfig,
+    DemoReport,
+    PolicyResult,
+    format_report,
+    report_to_json,
+    run_demo,
+    run_policy,
+    waves,
+    write_plot,
+)
+from kvevents.sim.engine import BatchSink, EngineStats, RequestResult, SimEngine, SimEngineConfig
+from kvevents.sim.offload import (
+    OffloadSimStats,
+    SimOffload,
+    expected_block_bytes,
+    offload_available,
+)
+from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
+
+__all__ = [
+    "POLICIES",
+    "BatchSink",
+    "BlockPoolStats",
+    "ClusterConfig",
+    "DemoConfig",
+    "DemoReport",
+    "EngineStats",
+    "GPUBlockPool",
+    "KVCacheGroupSpec",
+    "OffloadSimStats",
+    "PolicyResult",
+    "RequestHasher",
+    "RequestResult",
+    "SimCluster",
+    "SimEngine",
+    "SimEngineConfig",
+    "SimOffload",
+    "SimRequest",
+    "SimWorker",
+    "WorkloadConfig",
+    "engine_endpoint",
+    "expected_block_bytes",
+    "format_report",
+    "generate_workload",
+    "group_block_hashes",
+    "hash_block_size",
+    "loopback_endpoint",
+    "offload_available",
+    "report_to_json",
+    "run_demo",
+    "run_policy",
+    "waves",
+    "write_plot",
+]

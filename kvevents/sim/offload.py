@@ -1,0 +1,342 @@
+"""The simulated engine's CPU tier: a ``CPUOffloadingManager``, its event translator and
+the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3, C§5.7).
+
+* Keys: for group ``g`` with ``T = block_size × blocks_per_chunk`` tokens per chunk, chunk
+  ``c`` is keyed by the request's raw hash at its last hash boundary
+  (``make_offload_key(raw[(c+1)·T/unit − 1], g)``), which is the GPU hash of the chunk's
+  last block in that group.  The key's end position ``(c+1)·T`` is set on the request
+  context (the LRU policy ranks a request's keys by it).
+* Lookup counts consecutive whole-chunk hits after the GPU hit, per group, and keeps the
+  smallest end; less than one chunk beyond the GPU hit in any group is no hit.
+* Stores: ``prepare_store``, then one batched device→host copy per group through the
+  offload room's ``CPUTransferWorker``; ``complete_store`` runs at the start of a later
+  step, once the copies have finished (the transfer is asynchronous in vLLM), so CPU
+  ``BlockStored`` events trail the GPU ones.
+* Loads: ``prepare_load`` (pins), a host→device copy into the request's fresh blocks
+  (skipping blocks of a first chunk that the GPU hit already covers), waited for, then
+  ``complete_load``.
+
+The simulated KV cache is one byte tensor of ``(num_gpu_blocks, page_bytes)`` on
+``device`` (``"cpu"`` or ``"cuda"``); every computed block holds bytes derived from its
+hash (:func:`expected_block_bytes`), so a load can be checked.  Without torch (or with
+``transfers=False``) the manager and its events work the same and the byte copies are
+skipped (counted in ``stats.transfers_skipped``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvevents.errors import ConfigError
+from kvevents.events import KVEvent
+
+__all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes", "offload_available"]
+
+logger = logging.getLogger(__name__)
+
+
+def offload_available() -> bool:
+    """True when :mod:`kvevents.publishers.offload` (the CPU offloading manager) exists."""
+    try:
+        return importlib.util.find_spec("kvevents.publishers.offload") is not None
+    except ModuleNotFoundError:  # pragma: no cover - parent package missing
+        return False
+
+
+def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:
+    """The simulated KV bytes of a computed block: the group id and its digest, repeated
+    to ``page_bytes``."""
+    seed = bytes([group & 0xFF]) + digest
+    reps = -(-page_bytes // len(seed))
+    return (seed * reps)[:page_bytes]
+
+
+@dataclass
+class OffloadSimStats:
+    """Counters of the simulated CPU tier (chunks are CPU chunks, blocks GPU blocks)."""
+
+    lookups: int = 0
+    chunks_stored: int = 0
+    chunks_loaded: int = 0
+    stores_rejected: int = 0
+    blocks_copied_to_host: int = 0
+    blocks_copied_to_device: int = 0
+    transfer_failures: int = 0
+    transfers_skipped: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _PendingStore:
+    keys: list[bytes]
+    ctx: Any
+    jobs: set[int]
+    ok: bool = True
+
+
+class SimOffload:
+    """CPU offload for one engine.  ``block_sizes`` are the groups' GPU block sizes."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        blocks_per_chunk: int,
+        block_sizes: Sequence[int],
+        *,
+        cache_policy: str = "lru",
+        num_gpu_blocks: int,
+        page_bytes: int = 64,
+        transfers: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        off: Any = importlib.import_module("kvevents.publishers.offload")
+        self._off = off
+        self.blocks_per_chunk = blocks_per_chunk
+        self.block_sizes = list(block_sizes)
+        self.unit = math.gcd(*self.block_sizes)
+        self.tokens_per_chunk = [bs * blocks_per_chunk for bs in self.block_sizes]
+        self.hashes_per_chunk = [t // self.unit for t in self.tokens_per_chunk]
+        self.page_bytes = page_bytes
+        self.manager = off.CPUOffloadingManager(
+            num_chunks, cache_policy=cache_policy, enable_events=True
+        )
+        self.translator = off.OffloadEventTranslator(
+            [off.OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
+        )
+        self.stats = OffloadSimStats()
+        self._pending: list[_PendingStore] = []
+        self._finished_jobs: dict[int, bool] = {}
+        self._job_ids = itertools.count()
+        self._ctx: dict[str, Any] = {}
+        self._offered: dict[str, list[int]] = {}
+        self._torch: Any = None
+        self.kv: Any = None
+        self.worker: Any = None
+        self._skip_reason = ""
+        if not transfers:
+            self._skip_reason = "disabled"
+        else:
+            try:
+                import torch
+
+                transfer: Any = importlib.import_module("kvevents.publishers.offload.transfer")
+            except ImportError:
+                self._skip_reason = "torch_missing"
+            else:
+                if device.startswith("cuda") and not torch.cuda.is_available():
+                    raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
+                self._torch = torch
+                self.kv = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.int8, device=device)
+                self.worker = transfer.CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
+        if self._skip_reason:
+            logger.info("simulated offload runs without byte transfers (%s)", self._skip_reason)
+
+    # --- keys ---------------------------------------------------------------------------
+    def key(self, raw: Sequence[bytes], group: int, chunk: int) -> bytes:
+        """The offload key of ``chunk`` in ``group`` for a request with raw hashes ``raw``."""
+        digest = raw[(chunk + 1) * self.hashes_per_chunk[group] - 1]
+        return bytes(self._off.make_offload_key(digest, group))
+
+    def context(self, req_id: str) -> Any:
+        """The request's ``ReqContext`` (created on first use)."""
+        ctx = self._ctx.get(req_id)
+        if ctx is None:
+            ctx = self._ctx[req_id] = self._off.ReqContext(req_id=req_id)
+        return ctx
+
+    # --- scheduler-side calls -----------------------------------------------------------
+    def lookup(self, raw: Sequence[bytes], gpu_hit: int, limit: int, align: int) -> int:
+        """The end (in tokens) of the CPU hit after ``gpu_hit``, at most ``limit`` and a
+        multiple of ``align``; ``gpu_hit`` when the CPU tier adds nothing."""
+        self.stats.lookups += 1
+        end = limit
+        for g, tpc in enumerate(self.tokens_per_chunk):
+            c = gpu_hit // tpc
+            last = -1
+            while (c + 1) * tpc <= limit:
+                res = self.manager.lookup(self.key(raw, g, c), None)
+                if getattr(res, "name", None) != "HIT":
+                    break
+                last = c
+                c += 1
+            group_end = tpc * (last + 1)
+            if last < 0 or group_end <= gpu_hit:
+                return gpu_hit
+            end = min(end, group_end)
+        end = (end // align) * align
+        return end if end > gpu_hit else gpu_hit
+
+    def load(
+        self,
+        raw: Sequence[bytes],
+        blocks: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+        req_id: str,
+    ) -> None:
+        """Load tokens ``[start, end)`` of every group from CPU chunks into ``blocks``."""
+        ctx = self.context(req_id)
+        for g, tpc in enumerate(self.tokens_per_chunk):
+            bs = self.block_sizes[g]
+            chunks = list(range(start // tpc, -(-end // tpc)))
+            keys = [self.key(raw, g, c) for c in chunks]
+            spec = self.manager.prepare_load(keys, ctx)
+            try:
+                first, last = start // bs, end // bs
+                if self.worker is not None and last > first:
+                    job = next(self._job_ids)
+                    dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
+                    self.worker.submit_load(job, spec, dst)
+                    self.worker.wait([job])
+                    self.stats.blocks_copied_to_device += last - first
+                elif self.worker is None:
+                    self.stats.transfers_skipped[self._skip_reason] += 1
+            finally:
+                self.manager.complete_load(keys, ctx)
+            self.stats.chunks_loaded += len(keys)
+
+    def store(
+        self, raw: Sequence[bytes], blocks: Sequence[Sequence[int]], upto: int, req_id: str
+    ) -> int:
+        """Offer every full chunk of ``[0, upto)`` not offered yet for this request and
+        copy the accepted ones to host memory.  Returns the number of keys offered."""
+        ctx = self.context(req_id)
+        offered = self._offered.setdefault(req_id, [0] * len(self.block_sizes))
+        keys: list[bytes] = []
+        where: dict[bytes, tuple[int, int]] = {}
+        for g, tpc in enumerate(self.tokens_per_chunk):
+            n_chunks = min(upto, len(raw) * self.unit) // tpc
+            for c in range(offered[g], n_chunks):
+                k = self.key(raw, g, c)
+                ctx.set_position(k, (c + 1) * tpc)
+                keys.append(k)
+                where[k] = (g, c)
+            offered[g] = max(offered[g], n_chunks)
+        if not keys:
+            return 0
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None:
+            self.stats.stores_rejected += 1
+            return len(keys)
+        to_store = [bytes(k) for k in out.keys_to_store]
+        if not to_store:
+            return len(keys)
+        pending = _PendingStore(to_store, ctx, set())
+        chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
+        if self.worker is not None:
+            bpc = self.blocks_per_chunk
+            for g in range(len(self.block_sizes)):
+                mine = [(k, row) for k, row in zip(to_store, chunk_ids) if where[k][0] == g]
+                if not mine:
+                    continue
+                src: list[int] = []
+                for k, _ in mine:
+                    c = where[k][1]
+                    src.extend(blocks[g][c * bpc : (c + 1) * bpc])
+                job = next(self._job_ids)
+                dst = self._off.CPULoadStoreSpec([row for _, row in mine])
+                self.worker.submit_store(job, src, dst)
+                pending.jobs.add(job)
+                self.stats.blocks_copied_to_host += len(src)
+        else:
+            self.stats.transfers_skipped[self._skip_reason] += 1
+        self._pending.append(pending)
+        return len(keys)
+
+    def finished(self, req_id: str) -> None:
+        """The request will submit nothing more (``on_request_finished``)."""
+        ctx = self._ctx.pop(req_id, None)
+        self._offered.pop(req_id, None)
+        if ctx is not None:
+            self.manager.on_request_finished(ctx)
+
+    def has_pending(self) -> bool:
+        """Stores submitted and not completed yet."""
+        return bool(self._pending)
+
+    def complete_pending(self) -> None:
+        """Complete the stores whose copies have finished (in submission order)."""
+        if self.worker is not None:
+            for r in self.worker.get_finished():
+                self._finished_jobs[r.job_id] = r.success
+        still: list[_PendingStore] = []
+        for p in self._pending:
+            if any(j not in self._finished_jobs for j in p.jobs) or still:
+                still.append(p)
+                continue
+            ok = all(self._finished_jobs.pop(j) for j in p.jobs)
+            if not ok:
+                self.stats.transfer_failures += 1
+            self.manager.complete_store(p.keys, p.ctx, success=ok)
+            self.stats.chunks_stored += len(p.keys) if ok else 0
+        self._pending = still
+        self._finished_jobs = {
+            j: s for j, s in self._finished_jobs.items() if any(j in p.jobs for p in still)
+        }
+
+    def take_events(self) -> list[KVEvent]:
+        """Manager events translated to KV events (placeholders), in manager order."""
+        return list(self.translator.translate(self.manager.take_events()))
+
+    def reset(self) -> None:
+        """Reset the CPU tier (emits nothing, C§6.2)."""
+        if self.worker is not None:
+            self.worker.wait()
+            self.worker.get_finished()
+        self.manager.reset_cache()
+        self._pending.clear()
+        self._finished_jobs.clear()
+
+    # --- simulated bytes ------------------------------------------------------------------
+    def write_blocks(
+        self,
+        digests: Sequence[Sequence[bytes]],
+        blocks: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+    ) -> None:
+        """Fill the device blocks that become full while computing tokens ``[start, end)``."""
+        if self.kv is None:
+            return
+        torch = self._torch
+        ids: list[int] = []
+        data = bytearray()
+        for g, bs in enumerate(self.block_sizes):
+            for i in range(start // bs, min(end // bs, len(digests[g]))):
+                ids.append(blocks[g][i])
+                data += expected_block_bytes(digests[g][i], g, self.page_bytes)
+        if not ids:
+            return
+        rows = torch.frombuffer(data, dtype=torch.int8).view(len(ids), self.page_bytes)
+        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(0, index, rows.to(self.kv.device))
+
+    def verify_blocks(
+        self,
+        digests: Sequence[Sequence[bytes]],
+        blocks: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+    ) -> int:
+        """How many blocks of ``[start, end)`` do not hold their expected bytes."""
+        if self.kv is None:
+            return 0
+        bad = 0
+        for g, bs in enumerate(self.block_sizes):
+            first, last = start // bs, end // bs
+            if last <= first:
+                continue
+            index = self._torch.tensor(list(blocks[g][first:last]), device=self.kv.device)
+            got = self.kv.index_select(0, index).cpu().numpy().tobytes()
+            p = self.page_bytes
+            for j, i in enumerate(range(first, last)):
+                if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
+                    bad += 1
+        return bad
