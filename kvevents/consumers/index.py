@@ -982,14 +982,19 @@ class BlockIndex:
     def _ref(self, w: _Worker, gs: _Group, tier: int, h: Hash, ck: int | None) -> None:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
-        For the GPU tier the record of ``h`` must exist (it holds the refcount).
+        For the GPU tier the record of ``h`` holds the refcount; if the memory cap has
+        just dropped that record, there is nothing to count.
         """
         if tier < 0:
             return
         r = gs.refs
         if tier == 0:
             meta = gs.meta
-            m = meta[h]
+            m = meta.get(h)
+            if m is None:
+                # the memory cap dropped this entry whole while it was being applied
+                # (e.g. while joining its pending CPU stores); nothing left to count
+                return
             if isinstance(m, int):
                 c = m >> _GSHIFT
                 meta[h] = m + _G1

@@ -492,3 +492,31 @@ def test_other_producers_tier_names_map_to_cpu_and_storage(medium: str, want: Ma
     assert index.stats.skipped["unknown_medium"] == 0
     feed(index, BlockRemoved([H[1], H[3]], medium, group_idx=0))
     assert Router(index).find_matches(TOKENS) == {}
+
+
+def test_cap_eviction_while_joining_a_pending_store_does_not_raise() -> None:
+    """Regression (found by the fast-path property test): with a tiny ``max_blocks``, the
+    GPU store that joins a pending CPU placeholder can see its own entry dropped by the
+    cap mid-apply; apply must go on, not raise KeyError."""
+    toks = list(range(1, 33))
+
+    def store(hashes: list[int], group: int) -> BlockStored:
+        return BlockStored(hashes, 99, toks[: 16 * len(hashes)], 16, None, "GPU", None,
+                           group_idx=group, kv_cache_spec_kind="full_attention")  # fmt: skip
+
+    def rm(h: int) -> BlockRemoved:
+        return BlockRemoved([h], "GPU", group_idx=0)
+
+    index = BlockIndex(blocks_per_chunk=2, max_blocks=3, gpu_metadata_retention=0, max_pending=3)
+    b, a = ("b", 0), ("a", 0)
+    stream = [
+        (b, [store([1000], 1), rm(1000), store([1000], 0), store([1000], 0), store([1000], 0), store([1000], 0)]),
+        (a, [rm(1002)]),
+        (a, [rm(1000), store([1000], 0), store([1000], 0), store([1000], 0), store([1000], 0), store([1000], 1)]),
+        (b, [rm(1000), store([1000], 0), BlockStored([1001], None, [], 0, None, "CPU", None, group_idx=1),
+             store([1000], 0), store([1000], 0), store([1000, 1001], 1)]),
+    ]  # fmt: skip
+    for worker, evs in stream:
+        index.apply(worker[0], worker[1], KVEventBatch(0.0, evs))
+    assert index.resident_count <= 3
+    assert index.stats.evicted_by_cap > 0
