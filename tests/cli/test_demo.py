@@ -59,6 +59,7 @@ def test_kv_aware_routing_beats_round_robin_and_random(quick_report: DemoReport)
 def test_the_demo_command_prints_the_comparison_and_writes_a_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("matplotlib")  # the `demo` extra
     png = tmp_path / "demo.png"
     assert main(["demo", "--quick", "--seed", "3", "--plot", str(png), "-q"]) == 0
     out = capsys.readouterr().out
