@@ -94,24 +94,8 @@ def _print_anomaly(anomaly: Any, stream: IO[str]) -> None:
     print(f"anomaly {anomaly.kind} {anomaly.source}#{rank}{span}{detail}", file=stream)
 
 
-def _require(module: str, names: Sequence[str], command: str) -> None:
-    """Raise :class:`ConfigError` naming what is missing when a room is not installed."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError(f"{command} needs {module}, which cannot be imported: {exc}") from exc
-    missing = [n for n in names if not hasattr(mod, n)]
-    if missing:
-        raise ConfigError(
-            f"{command} needs {', '.join(missing)} from {module}, which this build lacks"
-        )
-
-
 # --- record ------------------------------------------------------------------------------
 def _cmd_record(args: argparse.Namespace) -> int:
-    _require("kvevents.consumers", ["Subscriber", "ReceivedBatch", "Anomaly"], "kvevents record")
     from kvevents.capture import CaptureWriter
     from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
 
@@ -247,11 +231,6 @@ def _count_records(path: str) -> int:
 
 
 def _replay_into_index(args: argparse.Namespace) -> int:
-    _require(
-        "kvevents.consumers",
-        ["Subscriber", "BlockIndex", "CaptureSource"],
-        "kvevents replay --into-index",
-    )
     from kvevents.consumers import Anomaly, BlockIndex, CaptureSource, ReceivedBatch, Subscriber
 
     total = _count_records(args.file)
@@ -378,9 +357,6 @@ def _progress(total: int, desc: str, *, disable: bool) -> Any:
 
 
 def _replay_publish(args: argparse.Namespace) -> int:
-    _require(
-        "kvevents.publishers", ["KVEventsConfig", "create_publisher"], "kvevents replay --publish"
-    )
     from kvevents.capture import CaptureReader
     from kvevents.codec import BatchDecoder
     from kvevents.errors import DecodeError
@@ -526,8 +502,6 @@ def _demo_engine(args: argparse.Namespace, default: Any) -> Any:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    _require("kvevents.consumers", ["Subscriber", "BlockIndex", "Router"], "kvevents demo")
-    _require("kvevents.publishers", ["ZmqEventPublisher"], "kvevents demo")
     from kvevents.sim.demo import (
         DemoConfig,
         format_report,

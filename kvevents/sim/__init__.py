@@ -40,7 +40,6 @@ from kvevents.sim.offload import (
     OffloadSimStats,
     SimOffload,
     expected_block_bytes,
-    offload_available,
 )
 from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
@@ -72,7 +71,6 @@ __all__ = [
     "group_block_hashes",
     "hash_block_size",
     "loopback_endpoint",
-    "offload_available",
     "report_to_json",
     "run_demo",
     "run_policy",

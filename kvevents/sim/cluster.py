@@ -103,10 +103,8 @@ class SimCluster:
         self.config = config or ClusterConfig()
         if self.config.num_engines < 1 or self.config.dp_ranks < 1:
             raise ConfigError("num_engines and dp_ranks must be >= 1")
-        try:
-            from kvevents.publishers import ZmqEventPublisher
-        except ImportError as exc:  # pragma: no cover - the room ships with the package
-            raise ConfigError(f"the ZMQ publisher is not available: {exc}") from exc
+        from kvevents.publishers import ZmqEventPublisher
+
         self.workers: list[SimWorker] = []
         cfg = self.config
         try:

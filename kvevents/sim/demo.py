@@ -30,7 +30,6 @@ from kvevents.errors import ConfigError
 from kvevents.sim.block_pool import KVCacheGroupSpec
 from kvevents.sim.cluster import ClusterConfig, SimCluster
 from kvevents.sim.engine import RequestResult, SimEngineConfig
-from kvevents.sim.offload import offload_available
 from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
@@ -54,11 +53,11 @@ POLICIES: tuple[str, ...] = ("kv-aware", "round-robin", "random")
 WorkerId = tuple[str, int]
 
 
-def _default_engine(cpu: bool) -> SimEngineConfig:
+def _default_engine() -> SimEngineConfig:
     return SimEngineConfig(
         groups=(KVCacheGroupSpec(16),),
         num_gpu_blocks=96,
-        num_cpu_chunks=128 if cpu else 0,
+        num_cpu_chunks=128,
         blocks_per_chunk=4,
         decode_tokens_per_step=16,
         max_running=8,
@@ -102,7 +101,7 @@ class DemoConfig:
 
     def engine_config(self) -> SimEngineConfig:
         """The engine shape: :attr:`engine`, else the default, on :attr:`device`."""
-        base = self.engine or _default_engine(offload_available())
+        base = self.engine or _default_engine()
         return base if self.device == "cpu" else replace(base, device=self.device)
 
     def workload(self) -> WorkloadConfig:

@@ -40,7 +40,7 @@ from kvevents.sim.block_pool import (
     group_block_hashes,
     hash_block_size,
 )
-from kvevents.sim.offload import SimOffload, offload_available
+from kvevents.sim.offload import SimOffload
 from kvevents.sim.workload import SimRequest
 
 __all__ = [
@@ -188,11 +188,6 @@ class SimEngine:
         self.pool = GPUBlockPool(cfg.num_gpu_blocks)
         self.offload: SimOffload | None = None
         if cfg.num_cpu_chunks > 0:
-            if not offload_available():
-                raise ConfigError(
-                    "CPU offload needs kvevents.publishers.offload (CPUOffloadingManager), "
-                    "which is not installed in this build; use num_cpu_chunks=0"
-                )
             self.offload = SimOffload(
                 cfg.num_cpu_chunks,
                 cfg.blocks_per_chunk,

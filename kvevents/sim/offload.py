@@ -38,17 +38,9 @@ from typing import Any
 from kvevents.errors import ConfigError
 from kvevents.events import KVEvent
 
-__all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes", "offload_available"]
+__all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
 logger = logging.getLogger(__name__)
-
-
-def offload_available() -> bool:
-    """True when :mod:`kvevents.publishers.offload` (the CPU offloading manager) exists."""
-    try:
-        return importlib.util.find_spec("kvevents.publishers.offload") is not None
-    except ModuleNotFoundError:  # pragma: no cover - parent package missing
-        return False
 
 
 def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:

@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import kvevents.consumers as consumers
-import kvevents.publishers as publishers
 from kvevents.cli import main
 from kvevents.sim.demo import DemoConfig, DemoReport, run_demo, waves
 from kvevents.sim.workload import WorkloadConfig, generate_workload
-
-rooms = pytest.mark.skipif(
-    not (
-        hasattr(consumers, "Subscriber")
-        and hasattr(consumers, "Router")
-        and hasattr(publishers, "ZmqEventPublisher")
-    ),
-    reason="the publisher, subscriber and index rooms have not all landed",
-)
 
 
 def test_waves_never_hold_two_turns_of_one_session() -> None:
@@ -37,7 +26,6 @@ def quick_report() -> DemoReport:
     return run_demo(DemoConfig.quick())
 
 
-@rooms
 def test_kv_aware_routing_beats_round_robin_and_random(quick_report: DemoReport) -> None:
     kv = quick_report.result("kv-aware")
     rr = quick_report.result("round-robin")
@@ -55,7 +43,6 @@ def test_kv_aware_routing_beats_round_robin_and_random(quick_report: DemoReport)
     assert kv.predicted_exact >= 0.8 * kv.requests
 
 
-@rooms
 def test_the_demo_command_prints_the_comparison_and_writes_a_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -71,7 +58,6 @@ def test_the_demo_command_prints_the_comparison_and_writes_a_png(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@rooms
 def test_the_demo_is_deterministic_for_a_seed(quick_report: DemoReport) -> None:
     again = run_demo(DemoConfig.quick(policies=("kv-aware", "round-robin")))
     for policy in ("kv-aware", "round-robin"):
@@ -83,7 +69,6 @@ def test_the_demo_is_deterministic_for_a_seed(quick_report: DemoReport) -> None:
         )
 
 
-@rooms
 def test_engines_with_several_dp_ranks_are_routed_as_separate_workers() -> None:
     cfg = DemoConfig.quick(engines=2, dp_ranks=2, requests=40, policies=("kv-aware",))
     report = run_demo(cfg)
@@ -128,14 +113,13 @@ def test_the_report_lists_every_anomaly_by_policy() -> None:
     assert "50.0%" in text and "10.0%" in text
 
 
-@rooms
 def test_hybrid_engines_with_two_block_sizes_route_end_to_end() -> None:
-    from kvevents.sim import KVCacheGroupSpec, SimEngineConfig, offload_available
+    from kvevents.sim import KVCacheGroupSpec, SimEngineConfig
 
     engine = SimEngineConfig(
         groups=(KVCacheGroupSpec(16), KVCacheGroupSpec(32)),
         num_gpu_blocks=160,
-        num_cpu_chunks=96 if offload_available() else 0,
+        num_cpu_chunks=96,
         blocks_per_chunk=2,
         decode_tokens_per_step=16,
     )
@@ -147,7 +131,6 @@ def test_hybrid_engines_with_two_block_sizes_route_end_to_end() -> None:
     assert kv.predicted_exact >= 0.7 * kv.requests
 
 
-@rooms
 def test_demo_engine_flags_shape_the_engines(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["demo", "--quick", "--requests", "24", "--policy", "kv-aware", "--plot", "", "-q"]
     shape = ["--block-sizes", "16,32", "--gpu-blocks", "200", "--cpu-chunks", "64"]
@@ -183,7 +166,6 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_reason(
     assert not png.exists()
 
 
-@rooms
 def test_the_demo_records_its_stream_and_the_capture_replays_to_the_same_index(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

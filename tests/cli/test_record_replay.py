@@ -19,18 +19,8 @@ import kvevents.publishers as publishers
 from kvevents.capture import CaptureWriter, read_capture
 from kvevents.cli import main
 from kvevents.codec import decode_batch
-from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload, offload_available
+from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload
 from kvevents.sim.cluster import ClusterConfig, SimCluster
-
-pytestmark = pytest.mark.skipif(
-    not (
-        hasattr(consumers, "Subscriber")
-        and hasattr(consumers, "BlockIndex")
-        and hasattr(publishers, "ZmqEventPublisher")
-        and offload_available()
-    ),
-    reason="the publisher, offload, subscriber and index rooms have not all landed",
-)
 
 REPO = Path(__file__).resolve().parents[2]
 

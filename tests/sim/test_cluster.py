@@ -5,22 +5,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import pytest
-
 import kvevents.consumers as consumers
-import kvevents.publishers as publishers
-from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload, offload_available
+from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload
 from kvevents.sim.cluster import ClusterConfig, SimCluster, loopback_endpoint
-
-pytestmark = pytest.mark.skipif(
-    not (
-        hasattr(consumers, "Subscriber")
-        and hasattr(consumers, "BlockIndex")
-        and hasattr(publishers, "ZmqEventPublisher")
-        and offload_available()
-    ),
-    reason="the publisher, offload, subscriber and index rooms have not all landed",
-)
 
 
 def test_loopback_endpoint_rewrites_wildcards_only() -> None:

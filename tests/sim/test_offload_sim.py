@@ -17,11 +17,6 @@ from kvevents.sim import (
     SimRequest,
     WorkloadConfig,
     generate_workload,
-    offload_available,
-)
-
-pytestmark = pytest.mark.skipif(
-    not offload_available(), reason="kvevents.publishers.offload has not landed in this build"
 )
 
 
