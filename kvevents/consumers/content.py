@@ -50,6 +50,7 @@ __all__ = [
     "chain_units",
     "extra_key",
     "lookahead_key",
+    "lookahead_mm",
     "prompt_keys",
     "request_keys",
     "root_key",
@@ -102,8 +103,17 @@ def _tail_fold(k: int, item: Any) -> int:
     return hash((k, extra_key(item), 2))
 
 
-def lookahead_key(chain: int, tokens: Sequence[int]) -> int:
-    """The mark key of a block whose hash also covers the next ``tokens`` (lookahead)."""
+def lookahead_key(
+    chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] = ()
+) -> int:
+    """The mark key of a block whose hash also covers the next ``tokens`` (lookahead).
+
+    ``mm`` are the ``(identifier, offset from the block end)`` of multimodal inputs that
+    start among those tokens (vLLM computes a lookahead block's extra keys over the
+    widened window).
+    """
+    if mm:
+        return hash((chain, tuple(tokens), 1, tuple((_str_int(i), o) for i, o in mm)))
     return hash((chain, tuple(tokens), 1))
 
 
@@ -173,6 +183,8 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     t = tuple(tokens)
     starts: dict[int, list[tuple[str, int]]] = {}
     for ident, off in extras.mm:
+        # (an input starting at or after the block end is a lookahead-window input: the
+        # caller folds it into the block's lookahead key, see lookahead_mm)
         starts.setdefault(off // unit, []).append((ident, off % unit))
     k = parent
     for j, a in enumerate(range(0, len(t), unit)):
@@ -182,6 +194,14 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     for item in extras.tail:
         k = _tail_fold(k, item)
     return k
+
+
+def lookahead_mm(extras: EventExtras | None, block_size: int) -> list[tuple[str, int]]:
+    """The multimodal inputs of a block's extras that start in its lookahead window, as
+    ``(identifier, offset from the block end)``."""
+    if extras is None:
+        return []
+    return [(i, o - block_size) for i, o in extras.mm if o >= block_size]
 
 
 def prompt_keys(

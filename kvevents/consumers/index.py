@@ -52,6 +52,7 @@ from kvevents.consumers.content import (
     chain_block,
     chain_units,
     lookahead_key,
+    lookahead_mm,
     root_key,
     split_extras,
 )
@@ -993,7 +994,7 @@ class BlockIndex:
                         ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
                     chain = ck = chain_block(pk, t[base : base + size], unit, ex)
                     if la and i < len(la) and la[i]:
-                        ck = lookahead_key(chain, la[i])
+                        ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
                 elif index_keys:
                     stats.skipped["unknown_parent"] += 1
                 m = _pack(

@@ -249,7 +249,12 @@ class _Lookup:
             return False  # not hashed: beyond the prompt, or its lookahead tokens are
         k = self.keys(block_size)[end // self.unit - 1]
         if la:
-            k = lookahead_key(k, self.tokens[end : end + la])
+            mm = [
+                (f.identifier, f.offset - end)
+                for f in self.key.mm_features
+                if end <= f.offset < end + la
+            ]
+            k = lookahead_key(k, self.tokens[end : end + la], mm)
         v = self.marks[tier].get(k)
         return v is not None and v & bits == bits
 
