@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import islice
 from typing import Any
 
 from kvevents.request import RequestKey, embeds_digest
@@ -232,20 +233,36 @@ def request_keys(key: RequestKey, unit: int, block_size: int | None = None) -> l
     starts: dict[int, list[tuple[str, int]]] = {}
     for f in feats:
         starts.setdefault(f.offset // unit, []).append((f.identifier, f.offset % unit))
-    per_block = 0
-    if embeds is not None:
-        if block_size is None or block_size % unit:
-            raise ValueError("prompt-embeds keys need the engine block size (a multiple of unit)")
-        per_block = block_size // unit
     k = root_key(key.lora_name, key.cache_salt)
     out: list[int] = []
-    for j, unit_tokens in enumerate(zip(*[iter(key.tokens)] * unit)):
+    append = out.append
+    units = zip(*[iter(key.tokens)] * unit)
+    if embeds is None:
+        # plain chaining between the units where an input starts, folds at those units
+        pos = 0
+        for j in sorted(starts):
+            for unit_tokens in islice(units, j - pos + 1):
+                k = hash((k, unit_tokens))
+                append(k)
+            if len(out) != j + 1:
+                return out  # the prompt ends before this input's unit
+            for ident, off in starts[j]:
+                k = _mm_fold(k, ident, off)
+            out[j] = k
+            pos = j + 1
+        for unit_tokens in units:
+            k = hash((k, unit_tokens))
+            append(k)
+        return out
+    if block_size is None or block_size % unit:
+        raise ValueError("prompt-embeds keys need the engine block size (a multiple of unit)")
+    per_block = block_size // unit
+    for j, unit_tokens in enumerate(units):
         k = hash((k, unit_tokens))
         for ident, off in starts.get(j, ()):
             k = _mm_fold(k, ident, off)
-        if per_block and (j + 1) % per_block == 0:
-            assert embeds is not None
+        if (j + 1) % per_block == 0:
             end = (j + 1) * unit
-            k = _tail_fold(k, embeds_digest(embeds, end - per_block * unit, end))
-        out.append(k)
+            k = _tail_fold(k, embeds_digest(embeds, end - block_size, end))
+        append(k)
     return out
