@@ -104,9 +104,7 @@ def _tail_fold(k: int, item: Any) -> int:
     return hash((k, extra_key(item), 2))
 
 
-def lookahead_key(
-    chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] = ()
-) -> int:
+def lookahead_key(chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] = ()) -> int:
     """The mark key of a block whose hash also covers the next ``tokens`` (lookahead).
 
     ``mm`` are the ``(identifier, offset from the block end)`` of multimodal inputs that

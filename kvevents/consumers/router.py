@@ -1,19 +1,27 @@
-"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex` (DESIGN §4).
+"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex`.
 
 :meth:`Router.find_matches` says, per worker, how many leading prompt tokens that engine
-would actually reuse from each tier, counted the way vLLM counts them:
+would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
 
-* ``gpu``: the longest prefix held on GPU, in whole engine blocks, the minimum over the
-  worker's prefix-indexable groups;
-* ``cpu``: the tokens the CPU tier adds *after* ``gpu``.  Per group with chunk size
-  ``T = blocks_per_chunk × block_size``, consecutive CPU chunks are counted from chunk
-  ``gpu // T``; the hit ends at ``T × (last hit chunk + 1)``; the smallest end over the
-  groups wins, and if any group would add less than one whole chunk beyond ``gpu``
-  (or has no chunk at all) ``cpu`` is 0;
+* ``gpu``: ``KVCacheManager.get_computed_blocks``: at most ``num_tokens - 1`` tokens in
+  whole blocks; with several KV-cache groups, ``HybridKVCacheCoordinator``'s lookup
+  (hits aligned to the lcm of the block sizes; full-attention, sliding-window and
+  chunked-local groups each judged as their manager's ``find_longest_cache_hit``
+  judges them, until all agree); EAGLE's drop of the last block and lookahead hashing
+  per worker;
+* ``cpu``: the tokens the CPU tier adds *after* ``gpu``, as the offload connector's
+  ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
+  less with windowed groups), tightened group by group (full attention first) to the end
+  of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
+  than one of the current group's chunks remains beyond ``gpu``;
 * ``storage``: likewise after ``gpu + cpu``.
 
-The walk computes the prompt's content keys once and intersects per-tier worker bitsets
-along them, so its cost grows with the matched length, not with workers × length.
+A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
+multimodal inputs, prompt embeddings).  Workers with one full-attention group and no
+speculative mode (the usual fleet) are answered by walks that compute the prompt's
+content keys once and intersect per-tier worker bitsets along them, so their cost grows
+with the matched length, not with workers × length; every other worker is looked up on
+its own (:class:`_Lookup`).
 """
 
 from __future__ import annotations

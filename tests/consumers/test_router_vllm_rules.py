@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from kvevents import MMFeature, RequestKey
 from kvevents.codec import decode_batch, encode_batch
 from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.router import Match, Router
+from kvevents.errors import ConfigError
 from kvevents.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from kvevents.hashing import hash_block_tokens, to_wire_hash
 from kvevents.request import block_extra_keys
@@ -394,3 +397,14 @@ def test_cpu_with_a_sliding_window_group() -> None:
     # now its chunk 3 (ending at 128) is held: the run ends past the bound, which stays
     # at 127 (vLLM loads the chunks and recomputes the last token)
     assert router.find_matches(toks(128)) == {W: Match(0, 127, 0)}
+
+
+def test_a_request_key_and_keyword_arguments_do_not_mix() -> None:
+    router = Router(BlockIndex())
+    with pytest.raises(ConfigError):
+        router.find_matches(RequestKey(toks(20)), lora_name="a")
+    # a RequestKey without extras is plain tokens
+    index = BlockIndex()
+    feed(index, stored(RequestKey(toks(80)), 16))
+    assert Router(index).find_matches(RequestKey(toks(65))) == {W: Match(64, 0, 0)}
+    assert Router(index).score(RequestKey(toks(65)))[0].match == Match(64, 0, 0)
