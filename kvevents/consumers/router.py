@@ -125,7 +125,7 @@ class Router:
         else:
             keys = []  # block-size dependent: every worker is looked up on its own
         out: dict[WorkerId, Match] = {}
-        if lay.gpu_classes and keys and n > unit:
+        if lay.gpu_classes and keys:
             out = _simple_matches(keys, n, lay, index)
         workers = lay.complex_workers if keys else tuple(lay.plans)
         if workers:
@@ -408,8 +408,6 @@ def _simple_matches(
     """
     unit = lay.canonical
     gkeys = keys[: (n - 1) // unit]
-    if not gkeys:
-        return {}
     if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1:
         return _uniform_matches(gkeys, keys, lay, index)
     # Results per slot, in tokens.  Each walk reports its hits as runs (end, slots); the

@@ -245,7 +245,7 @@ def test_router_equals_vllm_model(fleet: list[Spec]) -> None:
     index, model = build(fleet)
     router = Router(index)
     for seq in range(3):
-        for n in (N, 121, 100, 65, 64, 49, 33, 17):
+        for n in (N, 121, 100, 65, 64, 49, 33, 32, 17, 16):
             for variant in VARIANTS:
                 key = request(seq, variant, n)
                 want = {}
