@@ -364,13 +364,19 @@ class _Lookup:
         bound = n - 1 if plan.windowed else n
         hashed = n - plan.lookahead
         held = self.held
+        eagle = plan.eagle
         for cls, size, wchunks, bit in plan.chunk_groups:
             tpc = plan.bpc * size
             nkeys = hashed // tpc if hashed > 0 else 0
             bound = min(bound, nkeys * tpc)
             if bound - base < tpc:
                 return 0
-            nb = min(-(-bound // tpc), nkeys)
+            query = bound
+            if eagle and cls != "full":
+                # an EAGLE window group looks one chunk further, then drops it
+                query = min(bound + tpc, nkeys * tpc)
+                wchunks += 1
+            nb = min(-(-query // tpc), nkeys)
             start = base // tpc
             if cls == "full":
                 c = start
@@ -392,6 +398,8 @@ class _Lookup:
                     hits = run
             if hits <= 0:
                 return 0
+            if eagle:
+                hits -= 1  # EAGLE drops the last hit chunk
             bound = min(bound, tpc * (start + hits))
             if bound - base < tpc:
                 return 0

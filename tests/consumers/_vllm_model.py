@@ -160,7 +160,12 @@ def expected_match(
             bound = min(bound, num_keys * tpc)
             if bound - base < tpc:
                 return 0
-            stop = min(_cdiv(bound, tpc), num_keys)
+            query = bound
+            need = _cdiv(grp.window, tpc) if grp.window else 0
+            if eagle and grp.cls != "full":
+                query = min(bound + tpc, num_keys * tpc)
+                need += 1
+            stop = min(_cdiv(query, tpc), num_keys)
             first = base // tpc
             chunks = list(range(first, stop))
             if grp.cls == "full":
@@ -170,7 +175,6 @@ def expected_match(
                         hits = j
                         break
             else:
-                need = _cdiv(grp.window, tpc)
                 run = 0
                 hits = None
                 for j in reversed(range(len(chunks))):
@@ -185,6 +189,8 @@ def expected_match(
                     hits = run
             if hits == 0:
                 return 0
+            if eagle:
+                hits -= 1
             bound = min(bound, tpc * (first + hits))
             if bound - base < tpc:
                 return 0
