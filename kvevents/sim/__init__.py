@@ -35,7 +35,15 @@ from kvevents.sim.demo import (
     waves,
     write_plot,
 )
-from kvevents.sim.engine import BatchSink, EngineStats, RequestResult, SimEngine, SimEngineConfig
+from kvevents.sim.engine import (
+    AdmissionRecord,
+    BatchSink,
+    BeforeLookup,
+    EngineStats,
+    RequestResult,
+    SimEngine,
+    SimEngineConfig,
+)
 from kvevents.sim.offload import (
     OffloadSimStats,
     SimOffload,
@@ -45,7 +53,9 @@ from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
     "POLICIES",
+    "AdmissionRecord",
     "BatchSink",
+    "BeforeLookup",
     "BlockPoolStats",
     "ClusterConfig",
     "DemoConfig",

@@ -6,8 +6,10 @@ the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3
   (``make_offload_key(raw[(c+1)·T/unit − 1], g)``), which is the GPU hash of the chunk's
   last block in that group.  The key's end position ``(c+1)·T`` is set on the request
   context (the LRU policy ranks a request's keys by it).
-* Lookup counts consecutive whole-chunk hits after the GPU hit, per group, and keeps the
-  smallest end; less than one chunk beyond the GPU hit in any group is no hit.
+* Lookup is vLLM's ``_lookup_complete_chunks``: a bound starting at the request's length,
+  tightened group by group to the end of its consecutive stored chunks from the chunk
+  holding the GPU hit's end; less than one of the group's chunks beyond the GPU hit is
+  no hit at all (partial chunks are never credited).
 * Stores: ``prepare_store``, then one batched device→host copy per group through the
   offload room's ``CPUTransferWorker``; ``complete_store`` runs at the start of a later
   step, once the copies have finished (the transfer is asynchronous in vLLM), so CPU
@@ -56,6 +58,7 @@ class OffloadSimStats:
     """Counters of the simulated CPU tier (chunks are CPU chunks, blocks GPU blocks)."""
 
     lookups: int = 0
+    lookups_deferred: int = 0
     chunks_stored: int = 0
     chunks_loaded: int = 0
     stores_rejected: int = 0
@@ -71,6 +74,7 @@ class _PendingStore:
     ctx: Any
     jobs: set[int]
     ok: bool = True
+    epoch: int = 0
 
 
 class SimOffload:
@@ -87,10 +91,12 @@ class SimOffload:
         page_bytes: int = 64,
         transfers: bool = True,
         device: str = "cpu",
+        eagle_drop: bool = False,
     ) -> None:
         off: Any = importlib.import_module("kvevents.publishers.offload")
         self._off = off
         self.blocks_per_chunk = blocks_per_chunk
+        self.eagle_drop = eagle_drop
         self.block_sizes = list(block_sizes)
         self.unit = math.gcd(*self.block_sizes)
         self.tokens_per_chunk = [bs * blocks_per_chunk for bs in self.block_sizes]
@@ -104,6 +110,7 @@ class SimOffload:
         )
         self.stats = OffloadSimStats()
         self._pending: list[_PendingStore] = []
+        self._epoch = 0
         self._finished_jobs: dict[int, bool] = {}
         self._job_ids = itertools.count()
         self._ctx: dict[str, Any] = {}
@@ -144,26 +151,50 @@ class SimOffload:
         return ctx
 
     # --- scheduler-side calls -----------------------------------------------------------
-    def lookup(self, raw: Sequence[bytes], gpu_hit: int, limit: int, align: int) -> int:
-        """The end (in tokens) of the CPU hit after ``gpu_hit``, at most ``limit`` and a
-        multiple of ``align``; ``gpu_hit`` when the CPU tier adds nothing."""
+    def lookup(self, raw: Sequence[bytes], gpu_hit: int, num_tokens: int) -> int | None:
+        """Tokens the CPU tier adds after a GPU hit of ``gpu_hit`` tokens, counted as vLLM's
+        ``OffloadingConnectorScheduler._lookup_complete_chunks`` counts them.
+
+        A running bound starts at ``num_tokens``.  Each group in turn (all are
+        full-attention here) first caps it at its own chunk keys' end; if less than one
+        of its chunks then lies beyond the GPU hit, nothing is loaded.  It then counts
+        the consecutive stored chunks from the chunk holding the GPU hit's end (in eagle
+        drop mode dropping the last one) and tightens the bound to their end; no whole
+        chunk beyond the GPU hit means nothing.  The answer is the final bound minus
+        the GPU hit: whole chunks of every group, never rounded to the groups' lcm.
+        ``None`` when a counted chunk is still being written (``HIT_PENDING``): vLLM then
+        defers the request and asks again in a later step.
+        """
         self.stats.lookups += 1
-        end = limit
+        bound = num_tokens
+        hit = 0
         for g, tpc in enumerate(self.tokens_per_chunk):
-            c = gpu_hit // tpc
-            last = -1
-            while (c + 1) * tpc <= limit:
-                res = self.manager.lookup(self.key(raw, g, c), None)
-                if getattr(res, "name", None) != "HIT":
+            num_keys = len(raw) // self.hashes_per_chunk[g]
+            bound = min(bound, num_keys * tpc)
+            if bound - gpu_hit < tpc:
+                return 0
+            first = gpu_hit // tpc
+            last = min(-(-bound // tpc), num_keys)
+            hits = 0
+            pending = False
+            for c in range(first, last):
+                res = getattr(self.manager.lookup(self.key(raw, g, c), None), "name", None)
+                if res not in ("HIT", "HIT_PENDING"):
                     break
-                last = c
-                c += 1
-            group_end = tpc * (last + 1)
-            if last < 0 or group_end <= gpu_hit:
-                return gpu_hit
-            end = min(end, group_end)
-        end = (end // align) * align
-        return end if end > gpu_hit else gpu_hit
+                pending |= res == "HIT_PENDING"
+                hits += 1
+            if hits == 0:
+                return 0
+            if pending:
+                self.stats.lookups_deferred += 1
+                return None
+            if self.eagle_drop:
+                hits -= 1
+            bound = min(bound, tpc * (first + hits))
+            hit = bound - gpu_hit
+            if hit < tpc:
+                return 0
+        return hit
 
     def load(
         self,
@@ -220,7 +251,7 @@ class SimOffload:
         to_store = [bytes(k) for k in out.keys_to_store]
         if not to_store:
             return len(keys)
-        pending = _PendingStore(to_store, ctx, set())
+        pending = _PendingStore(to_store, ctx, set(), epoch=self._epoch)
         chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
@@ -254,13 +285,16 @@ class SimOffload:
         return bool(self._pending)
 
     def complete_pending(self) -> None:
-        """Complete the stores whose copies have finished (in submission order)."""
+        """End of an engine step: complete the stores submitted in an earlier step whose
+        copies have finished (in submission order).  A store submitted in this step
+        completes at the end of the next one at the earliest, as vLLM's worker submits a
+        step's stores at the start of the following step."""
         if self.worker is not None:
             for r in self.worker.get_finished():
                 self._finished_jobs[r.job_id] = r.success
         still: list[_PendingStore] = []
         for p in self._pending:
-            if any(j not in self._finished_jobs for j in p.jobs) or still:
+            if p.epoch >= self._epoch or any(j not in self._finished_jobs for j in p.jobs) or still:
                 still.append(p)
                 continue
             ok = all(self._finished_jobs.pop(j) for j in p.jobs)
@@ -272,6 +306,7 @@ class SimOffload:
         self._finished_jobs = {
             j: s for j, s in self._finished_jobs.items() if any(j in p.jobs for p in still)
         }
+        self._epoch += 1
 
     def take_events(self) -> list[KVEvent]:
         """Manager events translated to KV events (placeholders), in manager order."""
