@@ -203,7 +203,9 @@ class GPUBlockPool:
         self.emit_events = emit_events
         self.stats = BlockPoolStats()
         self._ref = [0] * num_blocks
-        self._key: list[tuple[bytes, int] | None] = [None] * num_blocks
+        # every (digest, group) a block is cached under, with the prefix length (tokens)
+        # each stands for: the full-block hash, or a partial-tail entry (an alias)
+        self._keys: list[list[tuple[tuple[bytes, int], int]]] = [[] for _ in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[tuple[bytes, int], dict[int, None]] = {}
         self._events: list[KVEvent] = []
@@ -234,9 +236,15 @@ class GPUBlockPool:
             hit.append(b)
         return hit
 
+    def block_keys(self, block: int) -> list[tuple[bytes, int]]:
+        """Every ``(digest, group)`` a block is cached under: its full-block hash and any
+        partial-tail entries, in the order they were added."""
+        return [k for k, _ in self._keys[block]]
+
     def block_key(self, block: int) -> tuple[bytes, int] | None:
         """The ``(digest, group)`` a block is cached under, if any."""
-        return self._key[block]
+        keys = self._keys[block]
+        return keys[0][0] if keys else None
 
     # --- allocation --------------------------------------------------------------------
     def touch(self, blocks: Sequence[int]) -> None:
@@ -266,18 +274,25 @@ class GPUBlockPool:
         return out
 
     def _evict(self, b: int) -> None:
-        key = self._key[b]
-        if key is None:
-            return
-        self._key[b] = None
-        holders = self._cached[key]
-        del holders[b]
-        if not holders:
-            del self._cached[key]
-        self.stats.evictions += 1
-        if self.emit_events:
-            self._events.append(BlockRemoved([to_wire_hash(key[0])], self.medium, key[1]))
-            self.stats.removed_events += 1
+        if self._keys[b]:
+            self.stats.evictions += 1
+            self._drop_keys(b)
+
+    def _drop_keys(self, b: int) -> None:
+        """Forget every hash block ``b`` is cached under, one ``BlockRemoved`` each."""
+        keys, self._keys[b] = self._keys[b], []
+        for key, _ in keys:
+            holders = self._cached[key]
+            del holders[b]
+            if not holders:
+                del self._cached[key]
+            if self.emit_events:
+                self._events.append(BlockRemoved([to_wire_hash(key[0])], self.medium, key[1]))
+                self.stats.removed_events += 1
+
+    def _insert(self, b: int, key: tuple[bytes, int], num_tokens: int) -> None:
+        self._keys[b].append((key, num_tokens))
+        self._cached.setdefault(key, {})[b] = None
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop a reference on each block, in eviction-priority order: blocks whose
@@ -326,10 +341,11 @@ class GPUBlockPool:
             if b == NULL_BLOCK:
                 continue
             key = (digests[i], group)
-            if self._key[b] is None:
-                self._key[b] = key
-                self._cached.setdefault(key, {})[b] = None
-                self.stats.blocks_cached += 1
+            if self._keys[b]:
+                # partial -> full promotion: the block's partial-tail entries go first
+                self._drop_keys(b)
+            self._insert(b, key, (i + 1) * bs)
+            self.stats.blocks_cached += 1
             hashes.append(to_wire_hash(digests[i]))
             extras.append(event_extra_keys(i * bs, (i + 1) * bs) if event_extra_keys else None)
             if lookahead:
@@ -355,6 +371,55 @@ class GPUBlockPool:
         )
         self.stats.stored_events += 1
 
+    def cache_partial_block(
+        self,
+        block: int,
+        digest: bytes,
+        parent: bytes | None,
+        num_tokens: int,
+        token_ids: Sequence[int],
+        unit: int,
+        group: int,
+        spec: KVCacheGroupSpec,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        extra_keys: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Make ``block`` reachable from the fine-grained prefix boundary ``num_tokens``
+        inside it (vLLM's ``BlockPool.cache_partial_block``): cache it under ``digest``
+        (the raw hash at that boundary) as well, and emit a one-hash ``BlockStored``
+        with ``block_size = unit`` and the last hash unit's tokens.  Entries of the block
+        standing for a shorter prefix are dropped first (``BlockRemoved``); an entry it
+        already has emits nothing."""
+        if block == NULL_BLOCK:
+            return
+        key = (digest, group)
+        keys = self._keys[block]
+        if any(k == key for k, _ in keys):
+            return
+        if keys and max(n for _, n in keys) < num_tokens:
+            self._drop_keys(block)
+        self._insert(block, key, num_tokens)
+        if not self.emit_events:
+            return
+        self._events.append(
+            BlockStored(
+                block_hashes=[to_wire_hash(digest)],
+                parent_block_hash=to_wire_hash(parent) if parent is not None else None,
+                token_ids=list(token_ids),
+                block_size=unit,
+                lora_id=lora_id,
+                medium=self.medium,
+                lora_name=lora_name,
+                extra_keys=[extra_keys],
+                group_idx=group,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
+            )
+        )
+        self.stats.stored_events += 1
+
     def reset(self) -> bool:
         """Drop every cached hash if no block is in use; emit ``AllBlocksCleared``.
 
@@ -363,7 +428,7 @@ class GPUBlockPool:
         if len(self._free) != self.num_blocks:
             self.stats.resets_refused["blocks_in_use"] += 1
             return False
-        self._key = [None] * self.num_blocks
+        self._keys = [[] for _ in range(self.num_blocks)]
         self._cached.clear()
         self.stats.resets += 1
         if self.emit_events:

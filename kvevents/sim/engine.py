@@ -197,6 +197,11 @@ class EngineStats:
     requests_admitted: int = 0
     requests_finished: int = 0
     preemptions: int = 0
+    hits_cut_by_groups: int = 0
+    """Hybrid lookups where a later group's hit was shorter than the bound the earlier
+    groups gave it (the groups had to agree on less)."""
+    hits_cut_by_alignment: int = 0
+    """Lookups where a group's matched prefix was cut back to the hit alignment."""
     prompt_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
@@ -403,8 +408,10 @@ class SimEngine:
                 hit.append(blocks)
             if drop and hit:
                 hit.pop()
-            while bs != align and len(hit) * bs % align:
-                hit.pop()
+            if bs != align and len(hit) * bs % align:
+                self.stats.hits_cut_by_alignment += 1
+                while len(hit) * bs % align:
+                    hit.pop()
             return hit
         window = sg.spec.sliding_window or 0
         need = -(-(window - 1) // bs) + (1 if drop else 0)
@@ -457,7 +464,10 @@ class SimEngine:
                     continue
                 blocks = self._lookup_group(digests, sg, curr, align, False)
                 found[k] = blocks
-                lengths[k] = curr = len(blocks) * sg.spec.block_size
+                got = len(blocks) * sg.spec.block_size
+                if k > 0 and got < curr:
+                    self.stats.hits_cut_by_groups += 1
+                lengths[k] = curr = got
             if curr >= hit_length:
                 break
             hit_length = curr
@@ -595,6 +605,43 @@ class SimEngine:
                 lookahead=self.config.lookahead_tokens,
             )
             run.num_cached[g] = max(run.num_cached[g], num_full)
+            if spec.is_full and spec.block_size != self.unit:
+                self._cache_partial_tail(run, g, spec, extras_of)
+
+    def _cache_partial_tail(
+        self,
+        run: _Running,
+        g: int,
+        spec: KVCacheGroupSpec,
+        extras_of: Callable[[int, int], Any] | None,
+    ) -> None:
+        """vLLM's ``FullAttentionManager`` caching step for a group coarser than the hash
+        unit: the prompt's last hash boundary, when it falls inside one of the group's
+        blocks, is registered as a partial-tail entry of that block.  vLLM looks such
+        entries up only in Mamba "align" hybrids, so here they are wire traffic a router
+        must not credit."""
+        unit = self.unit
+        boundary = len(run.req.prompt) // unit * unit
+        if boundary == 0 or boundary > len(run.tokens) or boundary % spec.block_size == 0:
+            return
+        index = boundary // spec.block_size
+        raw = run.hasher.digests
+        if index >= len(run.blocks[g]) or boundary // unit > len(raw):
+            return
+        lora = run.key.lora_name
+        self.pool.cache_partial_block(
+            run.blocks[g][index],
+            raw[boundary // unit - 1],
+            raw[boundary // unit - 2] if boundary > unit else None,
+            boundary,
+            run.tokens[boundary - unit : boundary],
+            unit,
+            g,
+            spec,
+            lora_id=_lora_id(lora),
+            lora_name=lora,
+            extra_keys=extras_of(boundary - unit, boundary) if extras_of else None,
+        )
 
     # --- internals: decode, preemption, finish ---------------------------------------------
     def _remove_skipped(self, run: _Running) -> None:

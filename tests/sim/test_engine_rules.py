@@ -121,8 +121,15 @@ def test_two_full_attention_groups_align_the_hit_to_their_lcm() -> None:
     e, sink = engine(KVCacheGroupSpec(16), KVCacheGroupSpec(32))
     prompt = list(range(1, 81))  # 80 tokens: 5 blocks of 16, 2 of 32
     assert run(e, req("a", prompt), req("b", prompt)) == [(0, 0), (64, 0)]
-    sizes = {(ev.group_idx, ev.block_size) for ev in sink.stored()}
-    assert sizes == {(0, 16), (1, 32)}
+    g0, g1, partial = sink.stored()[:3]
+    assert (g0.group_idx, g0.block_size, len(g0.block_hashes)) == (0, 16, 5)
+    assert (g1.group_idx, g1.block_size, len(g1.block_hashes)) == (1, 32, 2)
+    # the prompt ends inside group 1's third block: vLLM registers that boundary as a
+    # partial-tail entry, one 16-token hash (the raw hash at token 80) in group 1
+    assert (partial.group_idx, partial.block_size) == (1, 16)
+    assert partial.block_hashes == [g0.block_hashes[4]]
+    assert partial.parent_block_hash == g0.block_hashes[3]
+    assert partial.token_ids == prompt[64:80]
 
 
 def test_sliding_window_blocks_leave_the_window_and_the_hit_needs_them() -> None:
