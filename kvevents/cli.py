@@ -688,8 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         action="append",
-        choices=["kv-aware", "round-robin", "random"],
-        help="run only this policy (repeatable; default: all three)",
+        choices=["kv-aware", "kv-aware-gpu", "round-robin", "random"],
+        help="run only this policy (repeatable; default: all four; kv-aware-gpu: a "
+        "KV-aware router fed GPU events only)",
     )
     p.add_argument(
         "--endpoint",

@@ -25,6 +25,7 @@ from kvevents.sim.cluster import (
 )
 from kvevents.sim.demo import (
     POLICIES,
+    POLICY_LABELS,
     DemoConfig,
     DemoReport,
     PolicyResult,
@@ -53,6 +54,7 @@ from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
     "POLICIES",
+    "POLICY_LABELS",
     "AdmissionRecord",
     "BatchSink",
     "BeforeLookup",
