@@ -57,7 +57,7 @@ class Case:
 
 def _workload(**kw: Any) -> WorkloadConfig:
     base: dict[str, Any] = dict(
-        num_requests=160,
+        num_requests=300,
         num_tenants=3,
         concurrent_sessions=8,
         system_prompt_tokens=(96, 200),
