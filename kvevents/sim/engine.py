@@ -141,8 +141,6 @@ class SimEngineConfig:
             raise ConfigError("lookahead hashing and the eagle drop mode are exclusive")
         if self.eagle_drop and len(self.groups) > 1:
             raise ConfigError("the eagle drop mode is modelled for one KV-cache group only")
-        if self.num_cpu_chunks and not all(g.is_full for g in self.groups):
-            raise ConfigError("CPU offload is modelled for full-attention groups only")
 
 
 @dataclass(frozen=True)
@@ -294,6 +292,7 @@ class SimEngine:
                 transfers=cfg.transfers,
                 device=cfg.device,
                 eagle_drop=cfg.eagle_drop,
+                windows=[g.sliding_window for g in cfg.groups],
             )
         self._waiting: list[_Running] = []
         self._running: list[_Running] = []
@@ -548,6 +547,9 @@ class SimEngine:
         allocated = sum(1 for blocks in run.blocks for b in blocks if b != NULL_BLOCK)
         run.reserved = max(0, total_blocks - allocated)
         self._reserved += run.reserved
+        # allocate_slots drops what a sliding window no longer needs once the hit is
+        # computed (loaded CPU chunks included): those blocks are never loaded or cached
+        self._remove_skipped(run, cpu_end)
         if self.offload is not None and cpu_end > gpu_hit:
             self.offload.load(run.hasher.digests, run.blocks, gpu_hit, cpu_end, req.request_id)
             mismatches = self.offload.verify_blocks(digests, run.blocks, gpu_hit, cpu_end)
@@ -644,10 +646,10 @@ class SimEngine:
         )
 
     # --- internals: decode, preemption, finish ---------------------------------------------
-    def _remove_skipped(self, run: _Running) -> None:
-        """Free the sliding-window blocks no longer in the window (``remove_skipped_blocks``),
-        nearest the window first, and hold null blocks in their place."""
-        computed = len(run.tokens)
+    def _remove_skipped(self, run: _Running, computed: int) -> None:
+        """Free the sliding-window blocks no longer in the window of a request with
+        ``computed`` tokens computed (``remove_skipped_blocks``), nearest the window
+        first, and hold null blocks in their place."""
         for g, spec in enumerate(self.groups):
             if spec.is_full:
                 continue
@@ -682,7 +684,7 @@ class SimEngine:
             out = run.req.output
             take = out[run.generated : run.generated + self.config.decode_tokens_per_step]
             if take:
-                self._remove_skipped(run)
+                self._remove_skipped(run, len(run.tokens))
                 new_len = len(run.tokens) + len(take)
                 needs = [
                     -(-new_len // spec.block_size) - len(run.blocks[g])

@@ -39,6 +39,7 @@ from typing import Any
 
 from kvevents.errors import ConfigError
 from kvevents.events import KVEvent
+from kvevents.sim.block_pool import NULL_BLOCK
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
@@ -59,6 +60,9 @@ class OffloadSimStats:
 
     lookups: int = 0
     lookups_deferred: int = 0
+    chunks_not_offered_null: int = 0
+    cut_by_window: int = 0
+    """CPU lookups whose bound a sliding-window group lowered (or zeroed)."""
     chunks_stored: int = 0
     chunks_loaded: int = 0
     stores_rejected: int = 0
@@ -92,6 +96,7 @@ class SimOffload:
         transfers: bool = True,
         device: str = "cpu",
         eagle_drop: bool = False,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         off: Any = importlib.import_module("kvevents.publishers.offload")
         self._off = off
@@ -101,6 +106,17 @@ class SimOffload:
         self.unit = math.gcd(*self.block_sizes)
         self.tokens_per_chunk = [bs * blocks_per_chunk for bs in self.block_sizes]
         self.hashes_per_chunk = [t // self.unit for t in self.tokens_per_chunk]
+        # sliding-window groups: the window in chunks (vLLM's
+        # sliding_window_size_in_chunks, with no extra retained tokens); None: full
+        self.windows = list(windows) if windows is not None else [None] * len(self.block_sizes)
+        self.window_chunks: list[int | None] = [
+            None if w is None else -(-w // tpc)
+            for w, tpc in zip(self.windows, self.tokens_per_chunk)
+        ]
+        # vLLM's lookup order: full-attention groups (prefix scan), then windowed ones
+        self.lookup_order = [g for g, w in enumerate(self.windows) if w is None] + [
+            g for g, w in enumerate(self.windows) if w is not None
+        ]
         self.page_bytes = page_bytes
         self.manager = off.CPUOffloadingManager(
             num_chunks, cache_policy=cache_policy, enable_events=True
@@ -151,49 +167,86 @@ class SimOffload:
         return ctx
 
     # --- scheduler-side calls -----------------------------------------------------------
+    def _probe(self, raw: Sequence[bytes], g: int, chunks: range) -> list[str | None]:
+        return [
+            getattr(self.manager.lookup(self.key(raw, g, c), None), "name", None) for c in chunks
+        ]
+
     def lookup(self, raw: Sequence[bytes], gpu_hit: int, num_tokens: int) -> int | None:
         """Tokens the CPU tier adds after a GPU hit of ``gpu_hit`` tokens, counted as vLLM's
         ``OffloadingConnectorScheduler._lookup_complete_chunks`` counts them.
 
-        A running bound starts at ``num_tokens``.  Each group in turn (all are
-        full-attention here) first caps it at its own chunk keys' end; if less than one
-        of its chunks then lies beyond the GPU hit, nothing is loaded.  It then counts
-        the consecutive stored chunks from the chunk holding the GPU hit's end (in eagle
-        drop mode dropping the last one) and tightens the bound to their end; no whole
-        chunk beyond the GPU hit means nothing.  The answer is the final bound minus
-        the GPU hit: whole chunks of every group, never rounded to the groups' lcm.
-        ``None`` when a counted chunk is still being written (``HIT_PENDING``): vLLM then
-        defers the request and asks again in a later step.
+        A running bound starts at ``num_tokens`` (one less with sliding-window groups).
+        Each group in vLLM's order (full attention first, then sliding window) first caps
+        it at its own chunk keys' end; if less than one of its chunks then lies beyond
+        the GPU hit, nothing is loaded.  A full-attention group counts the consecutive
+        stored chunks from the chunk holding the GPU hit's end (in eagle drop mode
+        dropping the last one); a sliding-window group scans from the bound backwards
+        for the window's worth of consecutive stored chunks (``_sliding_window_lookup``).
+        Either tightens the bound to the end of what it found; nothing found, or less
+        than one of its chunks beyond the GPU hit, means nothing at all.  When a group
+        after a sliding-window group lowers the bound, the sliding-window groups are
+        checked again at the new bound.  The answer is the final bound minus the GPU
+        hit: whole chunks of every group, never rounded to the groups' lcm.  ``None``
+        when a counted chunk is still being written (``HIT_PENDING``): vLLM then defers
+        the request and asks again in a later step.
         """
         self.stats.lookups += 1
-        bound = num_tokens
+        bound = num_tokens - (1 if any(w is not None for w in self.windows) else 0)
         hit = 0
-        for g, tpc in enumerate(self.tokens_per_chunk):
-            num_keys = len(raw) // self.hashes_per_chunk[g]
-            bound = min(bound, num_keys * tpc)
-            if bound - gpu_hit < tpc:
-                return 0
-            first = gpu_hit // tpc
-            last = min(-(-bound // tpc), num_keys)
-            hits = 0
-            pending = False
-            for c in range(first, last):
-                res = getattr(self.manager.lookup(self.key(raw, g, c), None), "name", None)
-                if res not in ("HIT", "HIT_PENDING"):
-                    break
-                pending |= res == "HIT_PENDING"
-                hits += 1
-            if hits == 0:
-                return 0
-            if pending:
-                self.stats.lookups_deferred += 1
-                return None
-            if self.eagle_drop:
-                hits -= 1
-            bound = min(bound, tpc * (first + hits))
-            hit = bound - gpu_hit
-            if hit < tpc:
-                return 0
+        pending = False
+        order: list[int] = self.lookup_order
+        windowed = [g for g in self.lookup_order if self.windows[g] is not None]
+        while order:
+            looked_sw = False
+            groups, order = order, []
+            for g in groups:
+                tpc = self.tokens_per_chunk[g]
+                num_keys = len(raw) // self.hashes_per_chunk[g]
+                bound = min(bound, num_keys * tpc)
+                if bound - gpu_hit < tpc:
+                    return 0
+                first = gpu_hit // tpc
+                probes = self._probe(raw, g, range(first, min(-(-bound // tpc), num_keys)))
+                window = self.window_chunks[g]
+                found = 0
+                if window is None:
+                    for res in probes:
+                        if res not in ("HIT", "HIT_PENDING"):
+                            break
+                        pending |= res == "HIT_PENDING"
+                        found += 1
+                else:
+                    run = 0
+                    for i in range(len(probes) - 1, -1, -1):
+                        if probes[i] in ("HIT", "HIT_PENDING"):
+                            pending |= probes[i] == "HIT_PENDING"
+                            run += 1
+                        else:
+                            run = 0
+                        if run == window:
+                            found = i + window
+                            break
+                    else:
+                        found = run
+                if found == 0:
+                    self.stats.cut_by_window += window is not None
+                    return 0
+                if self.eagle_drop:
+                    found -= 1
+                if window is not None and tpc * (first + found) < bound:
+                    self.stats.cut_by_window += 1
+                bound = min(bound, tpc * (first + found))
+                new = bound - gpu_hit
+                if new < tpc:
+                    return 0
+                if new < hit and looked_sw and not order:
+                    order = list(windowed)  # confirm the windows at the lower bound
+                looked_sw |= window is not None
+                hit = new
+        if pending:
+            self.stats.lookups_deferred += 1
+            return None
         return hit
 
     def load(
@@ -208,11 +261,15 @@ class SimOffload:
         ctx = self.context(req_id)
         for g, tpc in enumerate(self.tokens_per_chunk):
             bs = self.block_sizes[g]
-            chunks = list(range(start // tpc, -(-end // tpc)))
+            first, last = start // bs, end // bs
+            while first < last and blocks[g][first] == NULL_BLOCK:
+                first += 1  # a sliding-window group loads only the blocks it keeps
+            if first >= last:
+                continue
+            chunks = list(range(first * bs // tpc, -(-end // tpc)))
             keys = [self.key(raw, g, c) for c in chunks]
             spec = self.manager.prepare_load(keys, ctx)
             try:
-                first, last = start // bs, end // bs
                 if self.worker is not None and last > first:
                     job = next(self._job_ids)
                     dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
@@ -236,7 +293,11 @@ class SimOffload:
         where: dict[bytes, tuple[int, int]] = {}
         for g, tpc in enumerate(self.tokens_per_chunk):
             n_chunks = min(upto, len(raw) * self.unit) // tpc
+            bpc = self.blocks_per_chunk
             for c in range(offered[g], n_chunks):
+                if NULL_BLOCK in blocks[g][c * bpc : (c + 1) * bpc]:
+                    self.stats.chunks_not_offered_null += 1
+                    continue  # out of a sliding window: nothing on the GPU to copy
                 k = self.key(raw, g, c)
                 ctx.set_position(k, (c + 1) * tpc)
                 keys.append(k)
@@ -337,6 +398,8 @@ class SimOffload:
         data = bytearray()
         for g, bs in enumerate(self.block_sizes):
             for i in range(start // bs, min(end // bs, len(digests[g]))):
+                if blocks[g][i] == NULL_BLOCK:
+                    continue
                 ids.append(blocks[g][i])
                 data += expected_block_bytes(digests[g][i], g, self.page_bytes)
         if not ids:
@@ -357,13 +420,14 @@ class SimOffload:
             return 0
         bad = 0
         for g, bs in enumerate(self.block_sizes):
-            first, last = start // bs, end // bs
-            if last <= first:
+            kept = [i for i in range(start // bs, end // bs) if blocks[g][i] != NULL_BLOCK]
+            if not kept:
                 continue
-            index = self._torch.tensor(list(blocks[g][first:last]), device=self.kv.device)
+            ids = [blocks[g][i] for i in kept]
+            index = self._torch.tensor(ids, device=self.kv.device)
             got = self.kv.index_select(0, index).cpu().numpy().tobytes()
             p = self.page_bytes
-            for j, i in enumerate(range(first, last)):
+            for j, i in enumerate(kept):
                 if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
                     bad += 1
         return bad

@@ -202,12 +202,46 @@ def test_configs_vllm_cannot_have_are_refused() -> None:
         SimEngineConfig(lookahead_tokens=1, eagle_drop=True).validate()
     with pytest.raises(ConfigError):
         KVCacheGroupSpec(16, "sliding_window")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError):  # modelled for one group only
         SimEngineConfig(
-            groups=(
-                KVCacheGroupSpec(16),
-                KVCacheGroupSpec(16, "sliding_window", sliding_window=32),
-            ),
-            num_cpu_chunks=4,
+            groups=(KVCacheGroupSpec(16), KVCacheGroupSpec(32)), eagle_drop=True
         ).validate()
     assert NULL_BLOCK < 0
+
+
+class _Stored:
+    """A CPU manager holding every chunk key but ``missing`` (the rule under test is the
+    counting, not the manager)."""
+
+    def __init__(self, missing: set[bytes]) -> None:
+        self.missing = missing
+
+    def lookup(self, key: bytes, ctx: object) -> object:
+        from kvevents.publishers.offload import LookupResult
+
+        return LookupResult.MISS if bytes(key) in self.missing else LookupResult.HIT
+
+
+@pytest.mark.parametrize(
+    ("gpu", "num_tokens", "missing", "cpu"),
+    [
+        (0, 97, [], 96),
+        (0, 97, [(1, 4)], 64),  # the window (2 chunks) must end at the bound
+        (0, 97, [(1, 5)], 80),
+        (0, 97, [(0, 2)], 32),  # full attention needs the prefix
+        (48, 97, [], 48),
+        (48, 97, [(1, 3)], 48),  # a window needs no chunk before it
+        (0, 96, [], 95),  # with a window the bound starts one token short
+        (16, 97, [(0, 1), (1, 1)], 0),  # the chunk holding the GPU hit's end is missing
+    ],
+)
+def test_cpu_lookup_with_a_sliding_window_group(
+    gpu: int, num_tokens: int, missing: list[tuple[int, int]], cpu: int
+) -> None:
+    fa, sw = KVCacheGroupSpec(16), KVCacheGroupSpec(16, "sliding_window", sliding_window=32)
+    e, _ = engine(fa, sw, num_cpu_chunks=8)
+    off = e.offload
+    assert off is not None and off.window_chunks == [None, 2]
+    raw = RequestHasher(16).extend(list(range(1, num_tokens + 1)))
+    off.manager = _Stored({off.key(raw, g, c) for g, c in missing})
+    assert off.lookup(raw, gpu, num_tokens) == cpu

@@ -95,7 +95,7 @@ CASES: dict[str, Case] = {
         _engine(
             groups=(FA16, KVCacheGroupSpec(16, "sliding_window", sliding_window=48)),
             num_gpu_blocks=120,
-            num_cpu_chunks=0,
+            num_cpu_chunks=160,
             decode_tokens_per_step=16,
         ),
         _workload(output_tokens=(24, 96), seed=13),
@@ -274,7 +274,10 @@ def _exercised(name: str, case: Case, engines: list[SimEngine]) -> None:
     if case.engine.preemption:
         assert sum(s.preemptions for s in stats) > 0, "no preemption"
     if not all(g.is_full for g in case.engine.groups):
-        assert sum(s.hits_cut_by_groups for s in stats) > 0, "no hit cut by the window"
+        assert sum(s.hits_cut_by_groups for s in stats) > 0, "no GPU hit cut by the window"
+        if case.engine.num_cpu_chunks:
+            cut = sum(e.offload.stats.cut_by_window for e in engines if e.offload is not None)
+            assert cut > 0, "no CPU hit cut by the window"
     elif len(case.engine.groups) > 1:
         cuts = sum(s.hits_cut_by_groups + s.hits_cut_by_alignment for s in stats)
         assert cuts > 0, "no hit cut by alignment or by another group"
