@@ -22,9 +22,15 @@ Model
   out, cleared or reset before it joins is counted as unjoined, never guessed.
 * Matching is by *content*: every engine block ends at a canonical unit boundary
   (``canonical_block_size`` tokens) whose chained key over tokens, LoRA name and extra
-  keys is independent of the engine's hash algorithm and seed.  A content-key → worker
-  bitset map per tier lets the router walk a prompt's keys once for all workers
-  (see :mod:`kvevents.consumers.router`).
+  keys is independent of the engine's hash algorithm and seed
+  (:mod:`kvevents.consumers.content`).  A content-key → worker bitset map per tier lets
+  the router walk a prompt's keys once for all workers (see
+  :mod:`kvevents.consumers.router`).  Marks are counted: two engine blocks of one group
+  with the same content key are two references.
+* Groups keep their kind and window (``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``) for the router's hybrid lookup, and their block size
+  is the largest GPU block size seen: a smaller store is a partial tail, kept but never
+  matched.
 * Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
   that the least recently stored entries of the biggest worker are evicted and counted.
 
@@ -52,6 +58,7 @@ from kvevents.consumers.content import (
     chain_block,
     chain_units,
     lookahead_key,
+    lookahead_mm,
     root_key,
     split_extras,
 )
@@ -993,7 +1000,7 @@ class BlockIndex:
                         ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
                     chain = ck = chain_block(pk, t[base : base + size], unit, ex)
                     if la and i < len(la) and la[i]:
-                        ck = lookahead_key(chain, la[i])
+                        ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
                 elif index_keys:
                     stats.skipped["unknown_parent"] += 1
                 m = _pack(

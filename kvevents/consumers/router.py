@@ -1,19 +1,27 @@
-"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex` (DESIGN §4).
+"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex`.
 
 :meth:`Router.find_matches` says, per worker, how many leading prompt tokens that engine
-would actually reuse from each tier, counted the way vLLM counts them:
+would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
 
-* ``gpu``: the longest prefix held on GPU, in whole engine blocks, the minimum over the
-  worker's prefix-indexable groups;
-* ``cpu``: the tokens the CPU tier adds *after* ``gpu``.  Per group with chunk size
-  ``T = blocks_per_chunk × block_size``, consecutive CPU chunks are counted from chunk
-  ``gpu // T``; the hit ends at ``T × (last hit chunk + 1)``; the smallest end over the
-  groups wins, and if any group would add less than one whole chunk beyond ``gpu``
-  (or has no chunk at all) ``cpu`` is 0;
+* ``gpu``: ``KVCacheManager.get_computed_blocks``: at most ``num_tokens - 1`` tokens in
+  whole blocks; with several KV-cache groups, ``HybridKVCacheCoordinator``'s lookup
+  (hits aligned to the lcm of the block sizes; full-attention, sliding-window and
+  chunked-local groups each judged as their manager's ``find_longest_cache_hit``
+  judges them, until all agree); EAGLE's drop of the last block and lookahead hashing
+  per worker;
+* ``cpu``: the tokens the CPU tier adds *after* ``gpu``, as the offload connector's
+  ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
+  less with windowed groups), tightened group by group (full attention first) to the end
+  of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
+  than one of the current group's chunks remains beyond ``gpu``;
 * ``storage``: likewise after ``gpu + cpu``.
 
-The walk computes the prompt's content keys once and intersects per-tier worker bitsets
-along them, so its cost grows with the matched length, not with workers × length.
+A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
+multimodal inputs, prompt embeddings).  Workers with one full-attention group and no
+speculative mode (the usual fleet) are answered by walks that compute the prompt's
+content keys once and intersect per-tier worker bitsets along them, so their cost grows
+with the matched length, not with workers × length; every other worker is looked up on
+its own (:class:`_Lookup`).
 """
 
 from __future__ import annotations
@@ -117,7 +125,7 @@ class Router:
         else:
             keys = []  # block-size dependent: every worker is looked up on its own
         out: dict[WorkerId, Match] = {}
-        if lay.gpu_classes and keys and n > unit:
+        if lay.gpu_classes and keys:
             out = _simple_matches(keys, n, lay, index)
         workers = lay.complex_workers if keys else tuple(lay.plans)
         if workers:
@@ -249,7 +257,12 @@ class _Lookup:
             return False  # not hashed: beyond the prompt, or its lookahead tokens are
         k = self.keys(block_size)[end // self.unit - 1]
         if la:
-            k = lookahead_key(k, self.tokens[end : end + la])
+            mm = [
+                (f.identifier, f.offset - end)
+                for f in self.key.mm_features
+                if end <= f.offset < end + la
+            ]
+            k = lookahead_key(k, self.tokens[end : end + la], mm)
         v = self.marks[tier].get(k)
         return v is not None and v & bits == bits
 
@@ -351,13 +364,19 @@ class _Lookup:
         bound = n - 1 if plan.windowed else n
         hashed = n - plan.lookahead
         held = self.held
+        eagle = plan.eagle
         for cls, size, wchunks, bit in plan.chunk_groups:
             tpc = plan.bpc * size
             nkeys = hashed // tpc if hashed > 0 else 0
             bound = min(bound, nkeys * tpc)
             if bound - base < tpc:
                 return 0
-            nb = min(-(-bound // tpc), nkeys)
+            query = bound
+            if eagle and cls != "full":
+                # an EAGLE window group looks one chunk further, then drops it
+                query = min(bound + tpc, nkeys * tpc)
+                wchunks += 1
+            nb = min(-(-query // tpc), nkeys)
             start = base // tpc
             if cls == "full":
                 c = start
@@ -379,6 +398,8 @@ class _Lookup:
                     hits = run
             if hits <= 0:
                 return 0
+            if eagle:
+                hits -= 1  # EAGLE drops the last hit chunk
             bound = min(bound, tpc * (start + hits))
             if bound - base < tpc:
                 return 0
@@ -395,8 +416,6 @@ def _simple_matches(
     """
     unit = lay.canonical
     gkeys = keys[: (n - 1) // unit]
-    if not gkeys:
-        return {}
     if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1:
         return _uniform_matches(gkeys, keys, lay, index)
     # Results per slot, in tokens.  Each walk reports its hits as runs (end, slots); the
