@@ -100,6 +100,21 @@ CASES: dict[str, Case] = {
         ),
         _workload(output_tokens=(24, 96), seed=13),
     ),
+    # two windows: when the second lowers the CPU bound, the first must be checked again
+    # at the lower bound (the window it found may now stick out past it)
+    "full_and_two_sliding_windows": Case(
+        _engine(
+            groups=(
+                FA16,
+                KVCacheGroupSpec(16, "sliding_window", sliding_window=48),
+                KVCacheGroupSpec(16, "sliding_window", sliding_window=80),
+            ),
+            num_gpu_blocks=180,
+            num_cpu_chunks=200,
+            decode_tokens_per_step=16,
+        ),
+        _workload(output_tokens=(24, 96), seed=2001),
+    ),
     "two_groups_16_32": Case(
         _engine(groups=(FA16, KVCacheGroupSpec(32)), num_gpu_blocks=90, num_cpu_chunks=200),
         _workload(seed=14),
