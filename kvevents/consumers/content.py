@@ -27,22 +27,36 @@ they are first brought to a block-size-free form:
   block hashed with lookahead is *marked* under ``lookahead_key(chain, tokens)`` while its
   children chain on the plain key.
 
-The keys are built for speed (the router computes one per unit on every request):
-``hash((parent, tokens_of_unit))`` over a tuple of ints, which CPython computes with its
-xxHash-based tuple hash.  Int and tuple hashing is *not* randomised by
-``PYTHONHASHSEED``; strings and bytes are first reduced to ints with BLAKE2b, so keys are
-the same in every 64-bit CPython process.  They are not meant to resist a deliberate
-collision.
+**The keys are stable**: the same in every process, machine and Python version, so an
+index snapshot taken by one router can be restored by another.  The algorithm (test
+vectors in ``tests/consumers/test_content_keys.py``):
+
+* tokens are packed as little-endian signed 64-bit integers (:func:`pack_tokens`);
+* unit ``j``'s key is ``xxh3_64(packed tokens of unit j, seed=key of unit j-1)``, an
+  unsigned 64-bit int; the seed of unit 0 is the root key;
+* the root key is 0 without LoRA and salt, else the first 8 bytes (little-endian) of
+  ``blake2b(b"kvevents-lora\0" + name [+ b"\0kvevents-salt\0" + salt], digest_size=8)``;
+* a multimodal input folds as ``xxh3_64(b"mm" + id8 + offset as <i8, seed=key)`` where
+  ``id8`` is ``blake2b(b"kvevents-mm\0" + identifier, digest_size=8)``; a tail element
+  (prompt-embeds digest) as ``xxh3_64(b"tail" + blake2b-8 of it, seed=key)``; a lookahead
+  mark as ``xxh3_64(b"la" + packed lookahead tokens [+ (id8, <i8 offset) per input],
+  seed=chain)``.
+
+Chaining with xxh3's seed costs one C call per unit on a slice of the packed prompt.
+They are not meant to resist a deliberate collision.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from functools import lru_cache
-from itertools import islice
 from typing import Any
 
+from xxhash import xxh3_64_intdigest as _xxh
+
+from kvevents.errors import ConfigError
 from kvevents.request import RequestKey, embeds_digest
 
 __all__ = [
@@ -52,6 +66,7 @@ __all__ = [
     "extra_key",
     "lookahead_key",
     "lookahead_mm",
+    "pack_tokens",
     "prompt_keys",
     "request_keys",
     "root_key",
@@ -62,8 +77,32 @@ ROOT_KEY = 0
 """The parent key of a sequence's first unit without LoRA adapter or salt."""
 
 
+_I8 = struct.Struct("<q")
+_ID_OFF = struct.Struct("<Qq")
+
+
 def _b2(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian signed 64-bit integers, the bytes content keys hash.
+
+    Raises :class:`~kvevents.errors.ConfigError` for an id that is not an int in the
+    signed 64-bit range: such a sequence has no content key.
+    """
+    try:
+        return struct.pack(f"<{len(tokens)}q", *tokens)
+    except struct.error as exc:
+        raise ConfigError(f"token ids must be integers in the signed 64-bit range: {exc}") from exc
+
+
+def _chain_packed(k: int, buf: bytes | memoryview, width: int) -> int:
+    """Chain ``k`` over whole units of ``width`` bytes of ``buf``."""
+    mv = memoryview(buf)
+    for a in range(0, len(mv), width):
+        k = _xxh(mv[a : a + width], k)
+    return k
 
 
 @lru_cache(maxsize=4096)
@@ -97,11 +136,11 @@ def extra_key(extra: Any) -> int:
 
 
 def _mm_fold(k: int, identifier: str, offset_in_unit: int) -> int:
-    return hash((k, _str_int(identifier), offset_in_unit))
+    return _xxh(b"mm" + _ID_OFF.pack(_str_int(identifier), offset_in_unit), k)
 
 
 def _tail_fold(k: int, item: Any) -> int:
-    return hash((k, extra_key(item), 2))
+    return _xxh(b"tail" + extra_key(item).to_bytes(8, "little"), k)
 
 
 def lookahead_key(chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] = ()) -> int:
@@ -111,9 +150,10 @@ def lookahead_key(chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int
     start among those tokens (vLLM computes a lookahead block's extra keys over the
     widened window).
     """
-    if mm:
-        return hash((chain, tuple(tokens), 1, tuple((_str_int(i), o) for i, o in mm)))
-    return hash((chain, tuple(tokens), 1))
+    data = b"la" + pack_tokens(tokens)
+    for i, o in mm:
+        data += _ID_OFF.pack(_str_int(i), o)
+    return _xxh(data, chain)
 
 
 class EventExtras:
@@ -167,11 +207,7 @@ def split_extras(extra: Any, lora_name: str | None, first_block: bool) -> EventE
 
 def chain_units(parent: int, tokens: Sequence[int], unit: int) -> int:
     """The key of the last unit of ``tokens`` (a whole number of units) chained on ``parent``."""
-    t = tuple(tokens)
-    k = parent
-    for a in range(0, len(t), unit):
-        k = hash((k, t[a : a + unit]))
-    return k
+    return _chain_packed(parent, pack_tokens(tokens), 8 * unit)
 
 
 def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtras | None) -> int:
@@ -179,15 +215,16 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     chained on ``parent``, with the block's extras (the salt is the root's business)."""
     if extras is None:
         return chain_units(parent, tokens, unit)
-    t = tuple(tokens)
+    mv = memoryview(pack_tokens(tokens))
+    width = 8 * unit
     starts: dict[int, list[tuple[str, int]]] = {}
     for ident, off in extras.mm:
         # (an input starting at or after the block end is a lookahead-window input: the
         # caller folds it into the block's lookahead key, see lookahead_mm)
         starts.setdefault(off // unit, []).append((ident, off % unit))
     k = parent
-    for j, a in enumerate(range(0, len(t), unit)):
-        k = hash((k, t[a : a + unit]))
+    for j, a in enumerate(range(0, len(mv), width)):
+        k = _xxh(mv[a : a + width], k)
         for ident, off in starts.get(j, ()):
             k = _mm_fold(k, ident, off)
     for item in extras.tail:
@@ -210,9 +247,10 @@ def prompt_keys(
     k = root_key(lora_name, cache_salt)
     out: list[int] = []
     append = out.append
-    # zip over one iterator yields the whole units as tuples (a partial tail is dropped)
-    for unit_tokens in zip(*[iter(tokens)] * unit):
-        k = hash((k, unit_tokens))
+    width = 8 * unit
+    mv = memoryview(pack_tokens(tokens))
+    for a in range(0, len(mv) - width + 1, width):  # a partial tail is dropped
+        k = _xxh(mv[a : a + width], k)
         append(k)
     return out
 
@@ -234,29 +272,31 @@ def request_keys(key: RequestKey, unit: int, block_size: int | None = None) -> l
     k = root_key(key.lora_name, key.cache_salt)
     out: list[int] = []
     append = out.append
-    units = zip(*[iter(key.tokens)] * unit)
+    width = 8 * unit
+    mv = memoryview(pack_tokens(key.tokens))
+    n = len(mv) // width
     if embeds is None:
         # plain chaining between the units where an input starts, folds at those units
         pos = 0
         for j in sorted(starts):
-            for unit_tokens in islice(units, j - pos + 1):
-                k = hash((k, unit_tokens))
+            if j >= n:
+                break  # the prompt ends before this input's unit
+            for a in range(pos * width, (j + 1) * width, width):
+                k = _xxh(mv[a : a + width], k)
                 append(k)
-            if len(out) != j + 1:
-                return out  # the prompt ends before this input's unit
             for ident, off in starts[j]:
                 k = _mm_fold(k, ident, off)
             out[j] = k
             pos = j + 1
-        for unit_tokens in units:
-            k = hash((k, unit_tokens))
+        for a in range(pos * width, n * width, width):
+            k = _xxh(mv[a : a + width], k)
             append(k)
         return out
     if block_size is None or block_size % unit:
         raise ValueError("prompt-embeds keys need the engine block size (a multiple of unit)")
     per_block = block_size // unit
-    for j, unit_tokens in enumerate(units):
-        k = hash((k, unit_tokens))
+    for j in range(n):
+        k = _xxh(mv[j * width : (j + 1) * width], k)
         for ident, off in starts.get(j, ()):
             k = _mm_fold(k, ident, off)
         if (j + 1) % per_block == 0:

@@ -52,6 +52,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from xxhash import xxh3_64_intdigest as xxh
+
 from kvevents.consumers.content import (
     ROOT_KEY,
     EventExtras,
@@ -59,6 +61,7 @@ from kvevents.consumers.content import (
     chain_units,
     lookahead_key,
     lookahead_mm,
+    pack_tokens,
     root_key,
     split_extras,
 )
@@ -135,7 +138,7 @@ _Meta = Union[int, tuple[Any, ...]]
 _M64 = (1 << 64) - 1
 _M20 = (1 << 20) - 1
 _HAS_CK = 1 << 64
-_OFF = 1 << 63
+_OFF = 0  # content keys are unsigned 64-bit (kept as a name: the field's offset)
 _M65 = (1 << 65) - 1
 _GSHIFT = 170
 _G1 = 1 << _GSHIFT
@@ -903,7 +906,10 @@ class BlockIndex:
             # leading blocks the engine did not hash (null blocks outside a window):
             # chain over their tokens so the hashed blocks' keys stay positional
             if pk is not None:
-                pk = chain_units(pk, toks[:off], unit) if off % unit == 0 else None
+                try:
+                    pk = chain_units(pk, toks[:off], unit) if off % unit == 0 else None
+                except ConfigError:
+                    pk = None
             if pend is not None:
                 pend += off
         pending = self._pending
@@ -926,8 +932,14 @@ class BlockIndex:
             # no residency and no retirement entry: both always go with a record).  It
             # stops at the first block that needs the general path below.
             q = size // unit
-            # the blocks' canonical units as tuples, in order
-            it = zip(*[iter(toks[off:] if off else toks)] * unit)
+            # the blocks' canonical units as slices of the packed tokens, in order
+            tbuf: memoryview | None
+            try:
+                tbuf = memoryview(pack_tokens(toks[off:] if off else toks))
+            except ConfigError:
+                tbuf = None  # ids no key can be made of: the general path counts them
+            width = 8 * unit
+            ta = 0
             marks = self._marks[0]
             r1, r2 = gs.refs[1], gs.refs[2]
             bit = gs.bit
@@ -940,20 +952,21 @@ class BlockIndex:
             max_blocks = self.max_blocks
             setdefault = meta.setdefault
             try:
-                for h in hashes:
+                for h in hashes if tbuf is not None else ():
                     if type(h) is not int or not 0 <= h <= _M64:
                         break
                     if pk is not None:
                         if q == 1:
-                            k = hash((pk, next(it)))
+                            k = xxh(tbuf[ta : ta + width], pk)  # type: ignore[index]
+                            ta += width
                         else:
                             k = pk
                             for _ in range(q):
-                                k = hash((k, next(it)))
+                                k = xxh(tbuf[ta : ta + width], k)  # type: ignore[index]
+                                ta += width
                         v = keyed + k
                     else:
-                        for _ in range(q):
-                            next(it)
+                        ta += q * width
                         k = None
                         v = fixed
                     if end_field:
@@ -1003,9 +1016,13 @@ class BlockIndex:
                     ex: EventExtras | None = None
                     if extras is not None and i < len(extras) and extras[i] is not None:
                         ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
-                    chain = ck = chain_block(pk, t[base : base + size], unit, ex)
-                    if la and i < len(la) and la[i]:
-                        ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
+                    try:
+                        chain = ck = chain_block(pk, t[base : base + size], unit, ex)
+                        if la and i < len(la) and la[i]:
+                            ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
+                    except ConfigError:
+                        chain = ck = None  # token ids outside int64: no content key
+                        stats.skipped["bad_token_ids"] += 1
                 elif index_keys:
                     stats.skipped["unknown_parent"] += 1
                 m = _pack(
