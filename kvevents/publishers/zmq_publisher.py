@@ -58,6 +58,7 @@ from kvevents.codec import (
     pack_replay_reply,
     parse_replay_request,
 )
+from kvevents.endpoints import enable_ipv6_if_needed, is_bind_endpoint
 from kvevents.errors import ConfigError, EncodeError, FrameError, PublisherClosedError
 from kvevents.events import EventBatch
 from kvevents.publishers.config import validate_endpoint
@@ -72,20 +73,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STOP: Any = object()  # queue sentinel put by shutdown()
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's bind-or-connect rule for the PUB socket (C§2.1).
-
-    Bind when the endpoint contains ``*`` or ``::`` or starts with ``ipc://`` or
-    ``inproc://``; connect otherwise (``tcp://host:5557`` connects, e.g. to an XSUB).
-    """
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
 
 
 @dataclass
@@ -285,7 +272,7 @@ class ZmqEventPublisher:
         self._router: zmq.Socket[Any] | None = None
         try:
             self._pub.set_hwm(hwm)
-            _enable_ipv6_if_needed(self._pub, self.requested_endpoint)
+            enable_ipv6_if_needed(self._pub, self.requested_endpoint)
             self.endpoint = self._attach(
                 self._pub, self.requested_endpoint, bind=self.binds, what="PUB"
             )
@@ -295,7 +282,7 @@ class ZmqEventPublisher:
                 self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 # Report a full or vanished peer instead of dropping silently.
                 self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                _enable_ipv6_if_needed(self._router, self.requested_replay_endpoint)
+                enable_ipv6_if_needed(self._router, self.requested_replay_endpoint)
                 self.replay_endpoint = self._attach(
                     self._router, self.requested_replay_endpoint, bind=True, what="replay ROUTER"
                 )
@@ -630,8 +617,3 @@ class ZmqEventPublisher:
 
 def _seq_of(entry: tuple[int, bytes]) -> int:
     return entry[0]
-
-
-def _enable_ipv6_if_needed(sock: zmq.Socket[Any], endpoint: str) -> None:
-    if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
-        sock.setsockopt(zmq.IPV6, 1)
