@@ -41,6 +41,9 @@ def test_defaults_are_vllms() -> None:
         "hwm": 100_000,
         "max_queue_size": 100_000,
         "topic": "",
+        # kvevents' own, off by default (vLLM has no socket security).
+        "curve_secret_key_file": None,
+        "curve_authorized_keys_dir": None,
     }
 
 
