@@ -86,6 +86,7 @@ from kvevents.publishers.factory import offset_endpoint
 from kvevents.security import CurveServerConfig, apply_curve_server
 
 __all__ = [
+    "REFUSAL_REASONS",
     "PublisherStats",
     "ZmqEventPublisher",
     "is_bind_endpoint",
