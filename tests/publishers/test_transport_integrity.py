@@ -115,7 +115,8 @@ def test_shutdown_with_a_slow_consumer_counts_exactly_what_never_left(tmp_path: 
     unflushed = stats.drop_reasons["shutdown_unflushed"]
     late = first + len(received) - published
     assert late <= unflushed
-    assert late <= pub.track_every + 100, f"{late} batches counted unflushed arrived"
+    # (41-90 measured; the margin covers a loaded machine delaying the last look.)
+    assert late <= pub.track_every + 250, f"{late} batches counted unflushed arrived"
 
 
 def test_shutdown_with_a_fast_consumer_loses_and_drops_nothing(ctx: zmq.Context[Any]) -> None:
