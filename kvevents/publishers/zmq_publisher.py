@@ -252,6 +252,8 @@ class ZmqEventPublisher:
     * ``replay_max_bytes_in_flight``: the same, summed over all peers.
     * ``replay_sndhwm``: the ROUTER's send high-water mark (messages per peer).
     * ``replay_max_message_bytes``: ``ZMQ_MAXMSGSIZE`` of the ROUTER (bytes per frame).
+    * ``max_subscription_bytes``: ``ZMQ_MAXMSGSIZE`` of the PUB socket, which receives
+      only subscriptions; a peer sending a bigger frame is dropped by ZeroMQ.
     * ``idle_poll_s``: how long the idle sender waits for a batch before checking the
       replay socket (seconds); bounds the latency of a replay when nothing is published.
     * ``warn_interval_s``: minimum seconds between two warnings of the same kind.
@@ -288,6 +290,7 @@ class ZmqEventPublisher:
         replay_max_bytes_in_flight: int = 64 * _MiB,
         replay_sndhwm: int = 1024,
         replay_max_message_bytes: int = 4096,
+        max_subscription_bytes: int = 4096,
         idle_poll_s: float = 0.01,
         warn_interval_s: float = 10.0,
     ) -> None:
@@ -319,6 +322,7 @@ class ZmqEventPublisher:
             ("replay_max_bytes_in_flight", replay_max_bytes_in_flight),
             ("replay_sndhwm", replay_sndhwm),
             ("replay_max_message_bytes", replay_max_message_bytes),
+            ("max_subscription_bytes", max_subscription_bytes),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -326,6 +330,11 @@ class ZmqEventPublisher:
             raise ConfigError(
                 f"replay_max_message_bytes must be >= 64 (a request is 8 bytes plus "
                 f"framing), got {replay_max_message_bytes}"
+            )
+        if max_subscription_bytes <= len(topic.encode("utf-8")):
+            raise ConfigError(
+                f"max_subscription_bytes must exceed the topic's length (a subscription "
+                f"is the topic prefix plus one byte), got {max_subscription_bytes}"
             )
         for name, seconds in (
             ("shutdown_timeout_s", shutdown_timeout_s),
@@ -356,6 +365,7 @@ class ZmqEventPublisher:
         self.replay_max_bytes_in_flight = replay_max_bytes_in_flight
         self.replay_sndhwm = replay_sndhwm
         self.replay_max_message_bytes = replay_max_message_bytes
+        self.max_subscription_bytes = max_subscription_bytes
         self.idle_poll_s = float(idle_poll_s)
         self.stats = PublisherStats()
         self.curve: CurveServerConfig | None = (
@@ -412,6 +422,9 @@ class ZmqEventPublisher:
         self._pub: zmq.Socket[Any] = self._ctx.socket(zmq.PUB)
         try:
             self._pub.set_hwm(hwm)
+            # Subscribers only send subscriptions (a topic prefix): a bigger frame makes
+            # ZeroMQ drop that peer before allocating it.
+            self._pub.setsockopt(zmq.MAXMSGSIZE, max_subscription_bytes)
             self._releases.append(apply_curve_server(self._pub, self.curve))
             enable_ipv6_if_needed(self._pub, self.requested_endpoint)
             self.endpoint = self._attach(
