@@ -17,7 +17,6 @@ import pytest
 import zmq
 import zmq.auth
 from pubtest_helpers import connectable, dealer, read_replay, recv, subscribe, wait_until, warm_up
-from zmq.utils.monitor import parse_monitor_message
 
 from kvevents.codec import pack_seq, parse_replay_reply, unpack_seq
 from kvevents.events import BlockRemoved, KVEventBatch
@@ -380,26 +379,46 @@ def test_curve_only_clients_with_the_keys_receive_anything(
         pub.shutdown()
 
 
+OVERSIZE_SUBSCRIBER = textwrap.dedent(
+    """
+    import os, sys
+    import zmq
+    from zmq.utils.monitor import parse_monitor_message
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.XSUB)
+    events = rogue.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    rogue.connect(sys.argv[1])
+    assert events.poll(20000) and events.recv_multipart()
+    rogue.send(b"\\x01" + b"x" * (4 * 1024 * 1024))  # a 4 MiB "subscription"
+    dropped = False
+    while events.poll(3000):
+        if parse_monitor_message(events.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+            dropped = True
+            break
+    print("dropped" if dropped else "kept", flush=True)
+    # libzmq 4.3.5 can crash closing an XSUB with such a message queued: leave at once.
+    os._exit(0)
+    """
+)
+
+
 def test_an_oversize_subscription_drops_that_peer_and_the_stream_goes_on(
     ctx: zmq.Context[Any],
 ) -> None:
-    """The PUB socket receives subscriptions; a 4 MiB one is refused by ZeroMQ on its
-    header (ZMQ_MAXMSGSIZE), never allocated, and good subscribers keep receiving."""
+    """The PUB socket receives subscriptions; a 4 MiB one from a peer in another process
+    is refused by ZeroMQ on its header (ZMQ_MAXMSGSIZE), never allocated, that peer is
+    disconnected, and good subscribers keep receiving."""
     with ZmqEventPublisher(endpoint="tcp://*:0", max_subscription_bytes=1024) as pub:
         good = subscribe(ctx, pub.endpoint)
         n = warm_up(pub, good)
-        rogue = ctx.socket(zmq.XSUB)
-        rogue.setsockopt(zmq.LINGER, 0)
-        events = rogue.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        rogue.connect(connectable(pub.endpoint))
-        assert recv(events)  # connected
-        rogue.send(b"\x01" + b"x" * (4 * 1024 * 1024))
-        frames = recv(events)  # the publisher hung up on it
-        assert parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+        rogue = subprocess.run(
+            [sys.executable, "-c", OVERSIZE_SUBSCRIBER, connectable(pub.endpoint)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert rogue.stdout.strip() == "dropped", rogue.stderr[-500:]
         for i in range(10):
             pub.publish(big_batch(i, 3))
         assert [unpack_seq(recv(good)[1]) for _ in range(10)] == list(range(n, n + 10))
-        rogue.disable_monitor()
-        events.close()
-        rogue.close()
         good.close()
