@@ -43,9 +43,10 @@ Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
   subscriber when the budget ends, is counted as dropped (``shutdown`` /
   ``shutdown_unflushed``) and taken out of ``batches_published``: after ``shutdown()``
   returns, ``batches_published`` counts only batches that left the process.  ZeroMQ
-  confirms in steps (every ``track_every`` batches and the last one), so when the budget
-  runs out with a subscriber behind, up to ``track_every - 1`` batches counted as
-  ``shutdown_unflushed`` may still arrive; none counted as published is lost.
+  confirms in steps (a tracked frame every ``track_every`` batches and for the last batch
+  sent while shutting down; terminating the publisher's own context confirms the rest),
+  so when the budget runs out with a subscriber behind, about ``track_every`` batches
+  counted as ``shutdown_unflushed`` may still arrive; none counted as published is lost.
   ``publish()`` afterwards raises :class:`~kvevents.errors.PublisherClosedError`.
 * Optional CURVE security on both sockets (``curve_secret_key_file``, and
   ``curve_authorized_keys_dir`` to accept only listed clients); off by default.
