@@ -39,6 +39,7 @@ from kvevents.errors import (
     EncodeError,
     FrameError,
     KVEventsError,
+    MissingDependencyError,
     OffloadError,
     PublisherClosedError,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "KVEventBatch",
     "KVEventsError",
     "LiveMessage",
+    "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
     "ReplayReply",

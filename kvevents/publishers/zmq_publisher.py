@@ -187,6 +187,8 @@ class ZmqEventPublisher:
     * ``idle_poll_s``: how long the idle sender waits for a batch before checking the
       replay socket (seconds); bounds the latency of a replay when nothing is published.
     * ``warn_interval_s``: minimum seconds between two warnings of the same kind.
+    * ``bind``: bind (True) or connect (False) the PUB socket; default ``None`` follows
+      vLLM's rule (:func:`is_bind_endpoint`), under which ``tcp://127.0.0.1:P`` connects.
 
     Raises :class:`~kvevents.errors.ConfigError` for invalid values or a socket that
     cannot be bound or connected.
@@ -213,6 +215,7 @@ class ZmqEventPublisher:
         max_pending_replays: int = 256,
         idle_poll_s: float = 0.01,
         warn_interval_s: float = 10.0,
+        bind: bool | None = None,
     ) -> None:
         # Reuse the config's validation so both paths give the same messages.
         from kvevents.publishers.config import KVEventsConfig
@@ -280,7 +283,7 @@ class ZmqEventPublisher:
         self._resume = threading.Event()
 
         self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context.instance()
-        self.binds = is_bind_endpoint(self.requested_endpoint)
+        self.binds = is_bind_endpoint(self.requested_endpoint) if bind is None else bind
         self._pub: zmq.Socket[Any] = self._ctx.socket(zmq.PUB)
         self._router: zmq.Socket[Any] | None = None
         try:
