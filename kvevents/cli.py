@@ -792,7 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         metavar="S",
-        help="pause S seconds after binding each publisher so subscribers can connect",
+        help="pause S seconds after binding each publisher so subscribers can connect (not "
+        "part of the pace: the first batch goes out after it)",
     )
     p.add_argument(
         "--hold",
