@@ -170,8 +170,9 @@ def system_prompts(block_size: int = 16) -> list[list[int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", default="tcp://*:5557", help="PUB endpoint (vLLM's default)")
-    p.add_argument("--replay-endpoint", default="tcp://*:5558", help="replay ROUTER endpoint")
+    # vLLM's default ports, on loopback only ('tcp://*:5557' listens on every interface).
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
+    p.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558", help="replay endpoint")
     p.add_argument("--requests", type=int, default=200, help="stop after N requests (0: never)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between requests")
     p.add_argument("--hold", type=float, default=1.0, help="serve replays S s after the end")
@@ -191,7 +192,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = system_prompts(args.block_size)
     systems = [prompts[int(t)] for t in args.tenants.split(",")]
-    publisher = ZmqEventPublisher(endpoint=args.endpoint, replay_endpoint=args.replay_endpoint)
+    # bind=True: bind the PUB socket even on tcp://127.0.0.1 (vLLM's rule binds only '*'
+    # and '::' addresses and connects to others, e.g. to an XSUB proxy).
+    publisher = ZmqEventPublisher(
+        endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, bind=True
+    )
     print(f"publishing on {publisher.endpoint}, replay on {publisher.replay_endpoint}", flush=True)
     engine = ToyEngine(args, publisher)
     n = 0

@@ -11,7 +11,7 @@ With two engines of ``examples/publish_engine.py`` serving different tenants::
 
     python examples/publish_engine.py --tenants 0 --requests 0 &
     python examples/publish_engine.py --tenants 1,2 --requests 0 \\
-        --endpoint 'tcp://*:5567' --replay-endpoint 'tcp://*:5568' &
+        --endpoint tcp://127.0.0.1:5567 --replay-endpoint tcp://127.0.0.1:5568 &
     python examples/route_prompts.py tcp://127.0.0.1:5557 tcp://127.0.0.1:5567 \\
         --replay-endpoint tcp://127.0.0.1:5558 --replay-endpoint tcp://127.0.0.1:5568
 

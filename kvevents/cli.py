@@ -251,6 +251,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {value:g}")
+    return value
+
+
 def _group_index(text: str) -> int:
     """argparse type: a KV-cache group index (an integer >= 0)."""
     try:
@@ -441,11 +452,20 @@ def _replay_publish(args: argparse.Namespace) -> int:
 
     if args.speed is not None and not args.speed > 0:
         raise ConfigError(f"--speed must be a number > 0, got {args.speed:g}")
-    if args.wait_subscribers < 0 or args.hold < 0 or args.buffer_steps < 1:
-        raise ConfigError("--wait-subscribers and --hold must be >= 0, --buffer-steps >= 1")
+    for flag, value in (("--wait-subscribers", args.wait_subscribers), ("--hold", args.hold)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} must be a number of seconds >= 0, got {value:g}")
     with CaptureReader(args.file) as reader:
-        records = [r for r in reader if args.source is None or r.source == args.source]
+        records = list(reader)
         tail_error = reader.tail_error
+    if args.source is not None:
+        recorded = sorted({r.source for r in records})
+        records = [r for r in records if r.source == args.source]
+        if not records:
+            raise ConfigError(
+                f"--source {args.source}: no such publisher in the capture; recorded: "
+                + (", ".join(recorded) or "none (the capture is empty)")
+            )
     sources: list[str] = []
     for r in records:
         if r.source not in sources:
@@ -731,8 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch each publisher's buffered history from seq 0 when first seen",
     )
     stop = p.add_mutually_exclusive_group()
-    stop.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    stop.add_argument("--count", type=int, metavar="N", help="stop after N batches")
+    stop.add_argument(
+        "--duration", type=_positive_seconds, metavar="S", help="stop after S seconds"
+    )
+    stop.add_argument("--count", type=_positive_int, metavar="N", help="stop after N batches")
     p.add_argument("-q", "--quiet", action="store_true", help="no status line")
     p.set_defaults(func=_cmd_record)
 
@@ -785,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
     pace.add_argument("--max-rate", action="store_true", help="as fast as possible")
     p.add_argument(
-        "--buffer-steps", type=int, default=10_000, help="replay buffer length (batches)"
+        "--buffer-steps", type=_positive_int, default=10_000, help="replay buffer length (batches)"
     )
     p.add_argument(
         "--wait-subscribers",
@@ -813,9 +835,9 @@ def build_parser() -> argparse.ArgumentParser:
         "round-robin and random; print hit rates per tier and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
-    p.add_argument("--engines", type=int, help="number of engines")
-    p.add_argument("--dp-ranks", type=int, help="data-parallel ranks per engine")
-    p.add_argument("--requests", type=int, help="requests in the workload")
+    p.add_argument("--engines", type=_positive_int, help="number of engines")
+    p.add_argument("--dp-ranks", type=_positive_int, help="data-parallel ranks per engine")
+    p.add_argument("--requests", type=_positive_int, help="requests in the workload")
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument(
         "--policy",

@@ -32,7 +32,18 @@ def test_version_and_python_dash_m() -> None:
 
 
 def test_a_usage_mistake_is_one_line_and_exit_2() -> None:
-    for args in (["bogus"], ["inspect"], ["demo", "--policy", "best"], ["record", "tcp://x:1"]):
+    rec = ["record", "ipc:///nonexistent/x.ipc", "-o", "/nonexistent/x.kvcap"]
+    for args in (
+        ["bogus"],
+        ["inspect"],
+        ["demo", "--policy", "best"],
+        ["demo", "--requests", "0"],
+        ["demo", "--engines", "-1"],
+        ["record", "tcp://x:1"],  # no -o
+        [*rec, "--count", "0"],
+        [*rec, "--duration", "-1"],
+        ["replay", str(SAMPLE), "--publish", "ipc:///nonexistent/x", "--buffer-steps", "0"],
+    ):
         got = run_kvevents(*args)
         assert got.returncode == 2, args
         lines = got.stderr.strip().splitlines()

@@ -73,7 +73,9 @@ def test_max_rate_sends_without_pauses(tmp_path: Path) -> None:
     [
         (["--speed", "0"], "--speed must be a number > 0"),
         (["--speed", "-2"], "--speed must be a number > 0"),
-        (["--wait-subscribers", "-1"], "--wait-subscribers and --hold must be >= 0"),
+        (["--wait-subscribers", "-1"], "--wait-subscribers must be a number of seconds >= 0"),
+        (["--hold", "-1"], "--hold must be a number of seconds >= 0"),
+        (["--source", "tcp://nope:1"], "no such publisher in the capture; recorded: tcp://engine"),
     ],
 )
 def test_bad_pacing_values_are_one_line_errors(
