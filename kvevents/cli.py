@@ -700,7 +700,8 @@ def _write_plot(write_plot: Any, report: Any, path: str) -> tuple[str | None, st
     """Write the demo's plot: (why it was skipped or None, an error line or None)."""
     try:
         return write_plot(report, path), None
-    except (OSError, ValueError) as exc:  # unwritable path, a format matplotlib lacks
+    except Exception as exc:  # unwritable path, a format matplotlib lacks, ...: the
+        # results are already computed (and printed in text mode), so one line suffices
         return "not written", f"--plot {path}: the plot was not written: {exc}"
 
 
