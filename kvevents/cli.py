@@ -634,6 +634,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host is None else args.host.strip() or "*"
         overrides["bind"] = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
     if args.device:
+        dev = args.device
+        if dev != "cpu" and dev != "cuda" and not (dev[5:].isdigit() and dev[:5] == "cuda:"):
+            raise ConfigError(f"--device wants cpu, cuda or cuda:N, got {dev!r}")
         overrides["device"] = args.device
         if args.device != "cpu":
             require_module("torch", "offload", f"--device {args.device}")
