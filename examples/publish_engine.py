@@ -191,7 +191,10 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     prompts = system_prompts(args.block_size)
-    systems = [prompts[int(t)] for t in args.tenants.split(",")]
+    chosen = [t.strip() for t in args.tenants.split(",")]
+    if not all(t.isdigit() and int(t) < TENANTS for t in chosen):
+        p.error(f"--tenants wants tenant numbers from 0 to {TENANTS - 1}, got {args.tenants!r}")
+    systems = [prompts[int(t)] for t in chosen]
     # bind=True: bind the PUB socket even on tcp://127.0.0.1 (vLLM's rule binds only '*'
     # and '::' addresses and connects to others, e.g. to an XSUB proxy).
     publisher = ZmqEventPublisher(
