@@ -733,6 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_demo)
+
+    from kvevents.serve.cli import add_parsers as _add_serve_parsers
+
+    _add_serve_parsers(sub)
     return parser
 
 
