@@ -119,6 +119,41 @@ def _cmd_sim_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_loadgen(args: argparse.Namespace) -> int:
+    import json
+
+    from kvevents.serve import require_serve_extra
+
+    require_serve_extra("kvevents loadgen")
+    from kvevents.serve.loadgen import (
+        LoadgenConfig,
+        ProgressBar,
+        format_loadgen,
+        run_loadgen,
+    )
+
+    cfg = LoadgenConfig(
+        url=args.url.rstrip("/"),
+        requests=args.requests,
+        tenants=args.tenants,
+        sessions=args.sessions,
+        max_tokens=args.max_tokens,
+        concurrency=None if args.rate is not None else args.concurrency,
+        rate=args.rate,
+        seed=args.seed,
+        model=args.model,
+    )
+    cfg.validate()
+    bar = ProgressBar()
+    bar.enabled = bar.enabled and not args.quiet
+    report = asyncio.run(run_loadgen(cfg, progress=bar))
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_loadgen(report))
+    return 0 if report.ok else 1
+
+
 def add_parsers(sub: Any) -> None:
     """Add ``serve``, ``sim`` (``sim serve``) and ``loadgen`` to the CLI's subparsers."""
     from kvevents.serve.config import POLICIES
@@ -192,3 +227,24 @@ def add_parsers(sub: Any) -> None:
     )
     q.add_argument("--lora", metavar="A[,B...]", help="LoRA adapter names served besides the base")
     q.set_defaults(func=_cmd_sim_serve)
+
+    p = sub.add_parser(
+        "loadgen",
+        help="send a seeded multi-turn chat workload to an OpenAI endpoint",
+        description="Multi-turn chats (shared system prompts per tenant, growing histories) "
+        "at a concurrency or a rate; reports prefix reuse (from cached_tokens), time to "
+        "first token and throughput.",
+    )
+    p.add_argument("url", help="base URL of the OpenAI server (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--requests", type=int, default=200, help="requests to send (200)")
+    p.add_argument("--tenants", type=int, default=4, help="distinct system prompts (4)")
+    p.add_argument("--sessions", type=int, default=16, help="conversations open at once (16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length (32)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    load.add_argument("--rate", type=float, help="requests per second (Poisson arrivals)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    p.add_argument("--model", help="model name to send")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_loadgen)

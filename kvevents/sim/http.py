@@ -102,7 +102,9 @@ class SimHTTPEngine:
     """One simulated engine with an OpenAI-compatible HTTP front and a publisher.
 
     ``events`` / ``replay`` are the publisher's bind endpoints (``tcp://*:0`` for a free
-    port; a PUB endpoint binds only with a wildcard host, vLLM's rule).  Start it with :meth:`start` inside a running event loop; the
+    port; a PUB endpoint binds only with a wildcard host, vLLM's rule).  ``dp_rank`` makes
+    it data-parallel rank r of an engine: its batches say so and its endpoints are moved up
+    by r (vLLM's offset rule), as vLLM's rank r would publish.  Start it with :meth:`start` inside a running event loop; the
     actual endpoints are then :attr:`events_endpoint`, :attr:`replay_endpoint` and
     :attr:`url`.
     """
@@ -117,6 +119,7 @@ class SimHTTPEngine:
         events: str = "tcp://*:0",
         replay: str | None = "tcp://*:0",
         topic: str = "",
+        dp_rank: int = 0,
     ) -> None:
         from kvevents.publishers import ZmqEventPublisher
         from kvevents.sim.cluster import loopback_endpoint
@@ -125,7 +128,7 @@ class SimHTTPEngine:
         self.config = config or SimHTTPConfig()
         self.tokenizer = SimTokenizer(self.config.vocab_size)
         self.publisher = ZmqEventPublisher(
-            data_parallel_rank=0,
+            data_parallel_rank=dp_rank,
             endpoint=events,
             replay_endpoint=replay,
             buffer_steps=self.config.buffer_steps,

@@ -237,3 +237,77 @@ def test_readyz_names_engines_not_ready() -> None:
         assert app.fleet.not_ready() == ["ghost:0 (events stream not connected)"]
     finally:
         app.fleet.close()
+
+
+def _free_port_pair() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65000:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+                return p
+    raise AssertionError("no free port pair")
+
+
+def test_data_parallel_rank_gets_the_header() -> None:
+    import asyncio
+
+    from kvevents.serve.config import parse_engine_spec
+    from kvevents.sim.http import SimHTTPEngine
+
+    ev, rep = _free_port_pair(), _free_port_pair()
+    stack = LocalStack(1, serve=ServeConfig(scrape_interval_s=0.2))
+    stack.start()
+    try:
+        # rank 0 and rank 1 of engine "x": one HTTP front (rank 0's), two publishers
+        rank0 = SimHTTPEngine("x", events=f"tcp://*:{ev}", replay=f"tcp://*:{rep}")
+        rank1 = SimHTTPEngine("x1", events=f"tcp://*:{ev}", replay=f"tcp://*:{rep}", dp_rank=1)
+        assert rank1.events_endpoint.endswith(f":{ev + 1}")
+        stack.call(rank0.start())
+        stack.call(rank1.start())
+        from kvevents.serve.app import ServeApp
+
+        spec = parse_engine_spec(f"x={rank0.url},tcp://127.0.0.1:{ev},tcp://127.0.0.1:{rep};dp=2")
+        service = ServeApp(replace(ServeConfig(scrape_interval_s=0.2), engines=(spec,)))
+
+        async def serve_it() -> tuple[object, str]:
+            import socket
+
+            import uvicorn
+
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            server = uvicorn.Server(uvicorn.Config(service.app, log_level="warning"))
+            asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                await asyncio.sleep(0.005)
+            return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+        server, url = stack.call(serve_it())
+        try:
+            wait_until(lambda: ready(url), what="/readyz of the dp engine")
+            prompt = "only rank one holds this " * 12
+            # warm rank 1 directly, then ask the service
+            httpx.post(rank1.url + "/v1/completions", json={"prompt": prompt}, timeout=30)
+            wait_until(
+                lambda: httpx.get(url + "/workers").json()["workers"][1]["batches"] > 0,
+                what="rank 1's events",
+            )
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt + "more"}, timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvevents-worker"] == "x:1"
+            # rank 0's front got it with vLLM's header naming rank 1
+            assert rank0.dp_headers == {"1": 1}
+        finally:
+            server.should_exit = True  # type: ignore[attr-defined]
+            stack.call(rank0.stop())
+            stack.call(rank1.stop())
+    finally:
+        stack.close()
