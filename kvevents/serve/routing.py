@@ -21,7 +21,6 @@ so the online truth check works whatever the policy.
 
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 from collections.abc import Mapping, Sequence
@@ -101,10 +100,6 @@ class LoadTracker:
         self.gauges[label] = _Gauges(running, waiting, kv_usage)
 
 
-def _new_router_api() -> bool:
-    return "cache_salt" in inspect.signature(Router.score).parameters
-
-
 class RoutingPolicy:
     """Ranks the up engine ranks of a :class:`Fleet` for a request key."""
 
@@ -119,15 +114,9 @@ class RoutingPolicy:
         self._rng = random.Random(seed)
         self._next = 0
         self._lock = threading.Lock()
-        self._new_api = _new_router_api()
 
     def _score(self, key: RequestKey, loads: Mapping[tuple[str, int], float]) -> list[Any]:
-        if self._new_api:
-            return self.router.score(key, loads=loads)  # type: ignore[arg-type]
-        if key.cache_salt or key.mm_features:
-            # the router in use keys by tokens and LoRA only: no prediction for these
-            return [c for c in self.router.score([], loads)]
-        return self.router.score(list(key.tokens), loads, key.lora_name)
+        return self.router.score(key, loads)
 
     def rank(self, key: RequestKey, candidates: Sequence[RankState]) -> list[Ranked]:
         """``candidates`` ranked for ``key``, best first."""

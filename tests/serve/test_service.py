@@ -193,10 +193,6 @@ def test_models_merge_and_lora_routing() -> None:
             base = c.post("/route", json={"prompt": prompt}).json()
             # the adapter's blocks are keyed by its name: the base model has no hit
             assert all(x["gpu"] == 0 for x in base["ranked"])
-            from kvevents.serve.routing import _new_router_api
-
-            if not _new_router_api():
-                pytest.xfail("LoRA keys from events match requests only with the RequestKey router")
             assert lora["ranked"][0]["engine"] + ":0" == home and lora["ranked"][0]["gpu"] > 0
 
 
