@@ -589,9 +589,13 @@ class ServeApp:
 
     async def _readyz(self, request: Request) -> Response:
         missing = self.fleet.not_ready()
+        now = time.monotonic()
+        down = [e.name for e in self.config.engines if not self.fleet.is_up(e.name, now)]
         if missing:
-            return JSONResponse({"ready": False, "not_ready": missing}, status_code=503)
-        return JSONResponse({"ready": True})
+            return JSONResponse(
+                {"ready": False, "not_ready": missing, "down": down}, status_code=503
+            )
+        return JSONResponse({"ready": True, "down": down})
 
     async def _dashboard(self, request: Request) -> Response:
         page = resources.files("kvevents.serve").joinpath("static/dashboard.html").read_text()

@@ -9,7 +9,9 @@ loss) reset it in the index.
 Readiness (``/readyz``): a rank is ready once its SUB socket is connected (a ZMQ socket
 monitor reports the connection) and, when it has a replay endpoint, once that endpoint
 has answered a replay (its end marker arrived).  A publisher that has published nothing
-answers with the end marker alone, so an idle engine counts as caught up.
+answers with the end marker alone, so an idle engine counts as caught up.  The service is
+ready once every rank has been ready; an engine lost later is marked down (and shown in
+``/workers``) without making the service unready.
 
 Health: an engine whose HTTP front refuses connections is marked down
 (:meth:`Fleet.mark_down`) and skipped until :meth:`Fleet.mark_up` (the metrics scrape
@@ -68,9 +70,16 @@ class RankState:
     recent_anomalies: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     _times: deque[tuple[float, int]] = field(default_factory=deque)
 
+    was_ready: bool = False
+    """Latched: the rank has been ready once (the service's start-up catch-up is done)."""
+
     @property
     def ready(self) -> bool:
-        return self.connected and (self.replay_endpoint is None or self.replay_answered)
+        """Connected now, and caught up (replay answered) if it has a replay endpoint."""
+        ok = self.connected and (self.replay_endpoint is None or self.replay_answered)
+        if ok:
+            self.was_ready = True
+        return ok
 
     @property
     def label(self) -> str:
@@ -265,10 +274,12 @@ class Fleet:
         self.down_reason.pop(engine, None)
 
     def not_ready(self) -> list[str]:
-        """Ranks not ready, as ``NAME:RANK (why)``."""
+        """Ranks that have never been ready, as ``NAME:RANK (why)``.  A rank that was ready
+        and later lost its engine is reported by :meth:`is_up` and ``/workers``, not here:
+        the service goes on routing to the others."""
         out = []
         for st in self.ranks:
-            if not st.ready:
+            if not st.ready and not st.was_ready:
                 why = "events stream not connected" if not st.connected else "replay not answered"
                 out.append(f"{st.label} ({why})")
         return out
