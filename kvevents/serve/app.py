@@ -562,6 +562,8 @@ class ServeApp:
                 self.loads.inflight.get(st.label, 0)
             )
             self.metrics.load.labels(st.engine.name, str(st.rank)).set(self.loads.load(st.label))
+        for spec in self.config.engines:
+            self.metrics.engine_up.labels(spec.name).set(1 if self.fleet.is_up(spec.name) else 0)
         return {
             "time": now,
             "uptime_s": round(now - self.started, 1),

@@ -196,8 +196,13 @@ def test_models_merge_and_lora_routing() -> None:
             assert lora["ranked"][0]["engine"] + ":0" == home and lora["ranked"][0]["gpu"] > 0
 
 
-def test_engine_down_is_marked_skipped_and_retried(stack: LocalStack) -> None:
-    with httpx.Client(base_url=stack.url, timeout=30) as c:
+def test_engine_down_is_marked_skipped_and_retried() -> None:
+    # no metrics scrape after the first: the request itself finds the engine gone
+    with (
+        LocalStack(3, serve=ServeConfig(scrape_interval_s=600)) as stack,
+        httpx.Client(base_url=stack.url, timeout=30) as c,
+    ):
+        wait_until(lambda: ready(stack.url), what="/readyz")
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "down?"}]
         victim = chat(c, msgs).headers["x-kvevents-worker"]
         wait_until(caught_up(stack), what="the index to catch up")
