@@ -35,6 +35,7 @@ from importlib import resources
 from typing import Any
 
 import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -606,8 +607,8 @@ class ServeApp:
 
 def _json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
         raise BadRequest("the request body is not valid JSON") from None
 
 

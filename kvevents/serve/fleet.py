@@ -300,8 +300,10 @@ class Fleet:
             if now >= next_monitor:
                 for s in self._sources:
                     s.poll_monitor()
-                next_monitor = now + 0.02
-            item = sub.receive(timeout=0.02)
+                # often while a stream is still connecting, then a few times a second
+                settled = all(st.connected for st in self.ranks)
+                next_monitor = now + (0.25 if settled else 0.02)
+            item = sub.receive(timeout=0.05)
             if item is None:
                 continue
             if isinstance(item, ReceivedBatch):

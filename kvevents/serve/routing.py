@@ -124,14 +124,13 @@ class RoutingPolicy:
             return []
         fleet = self.fleet
         wid_of = {fleet.worker_id(st): st for st in candidates}
-        cost_loads = {
-            wid: (self.loads.load(st.label) if self.policy.startswith("kv-aware") else 0.0)
-            for wid, st in wid_of.items()
-        }
+        load_of = {wid: self.loads.load(st.label) for wid, st in wid_of.items()}
+        kv = self.policy.startswith("kv-aware")
+        cost_loads = load_of if kv else dict.fromkeys(load_of, 0.0)
         with fleet.lock:
             scored = self._score(key, cost_loads)
         ranked = [
-            Ranked(wid_of[c.worker], c.match, self.loads.load(wid_of[c.worker].label), c.cost)
+            Ranked(wid_of[c.worker], c.match, load_of[c.worker], c.cost)
             for c in scored
             if c.worker in wid_of
         ]

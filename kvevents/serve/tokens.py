@@ -23,6 +23,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.request import RequestKey
 
@@ -119,22 +121,30 @@ def check_body(body: Any, chat: bool) -> dict[str, Any]:
     return body
 
 
+def _token_ids(value: Any) -> list[int] | None:
+    """``value`` as a non-empty list of token ids, or None (validated in C by msgspec)."""
+    if not isinstance(value, list) or not value:
+        return None
+    try:
+        return msgspec.convert(value, list[int], strict=True)
+    except msgspec.ValidationError:
+        return None
+
+
 def first_prompt(prompt: Any) -> str | list[int]:
     """The prompt that routes: a string, a token list, or the first of a batch."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [int(t) for t in prompt]
+        ids = _token_ids(prompt)
+        if ids is not None:
+            return ids
         head = prompt[0]
         if isinstance(head, str):
             return head
-        if (
-            isinstance(head, list)
-            and head
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in head)
-        ):
-            return [int(t) for t in head]
+        ids = _token_ids(head)
+        if ids is not None:
+            return ids
     raise BadRequest("'prompt' must be a string, a list of token ids, or a batch of them")
 
 
