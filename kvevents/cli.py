@@ -677,8 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="simulated engines + subscriber + index + router: compare routing policies",
         description="Run simulated engines on loopback, subscribe to their KV events, build "
-        "the block index and route a seeded chat workload with the KV-aware router, "
-        "round-robin and random; print hit rates per tier and write a plot.",
+        "the block index and route a seeded chat workload with the KV-aware router, the "
+        "same router fed GPU events only, round-robin and random; print hit rates per "
+        "tier and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
     p.add_argument("--engines", type=int, help="number of engines")
@@ -688,8 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         action="append",
-        choices=["kv-aware", "round-robin", "random"],
-        help="run only this policy (repeatable; default: all three)",
+        choices=["kv-aware", "kv-aware-gpu", "round-robin", "random"],
+        help="run only this policy (repeatable; default: all four; kv-aware-gpu: a "
+        "KV-aware router fed GPU events only)",
     )
     p.add_argument(
         "--endpoint",
