@@ -31,7 +31,7 @@ import json
 import logging
 import socket
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +95,7 @@ class _Pending:
     pieces: list[tuple[str, int]]
     queue: asyncio.Queue[tuple[str, Any]]
     lora: str | None = None
+    salt: str | None = None
     emitted: int = 0
 
 
@@ -151,8 +152,6 @@ class SimHTTPEngine:
         self.url = f"http://{host}:{self.port}"
         self._ids = itertools.count()
         self._incoming: list[_Pending] = []
-        self._fifo: deque[_Pending] = deque()
-        self._running: list[_Pending] = []
         self._by_id: dict[str, _Pending] = {}
         self._wake: asyncio.Event | None = None
         self._server: Any = None
@@ -215,36 +214,35 @@ class SimHTTPEngine:
         return f"{self.name}={','.join(parts)}"
 
     # --- the engine loop ---------------------------------------------------------------
-    def _popped(self) -> int:
-        st = self.engine.stats
-        return st.requests_admitted + sum(st.requests_rejected.values())
-
     async def _drive(self) -> None:
         assert self._wake is not None
         engine = self.engine
         cfg = self.config
-        dtps = cfg.engine.decode_tokens_per_step
         while True:
             if not self._incoming and engine.idle:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for p in self._incoming:
-                out = tuple(t for _, t in p.pieces)
-                engine.add_request(SimRequest(p.request_id, 0, 0, 0, tuple(p.prompt), out, p.lora))
-                self._fifo.append(p)
+            for new in self._incoming:
+                out = tuple(t for _, t in new.pieces)
+                engine.add_request(
+                    SimRequest(
+                        new.request_id, 0, 0, 0, tuple(new.prompt), out, new.lora,
+                        cache_salt=new.salt,
+                    )
+                )  # fmt: skip
             self._incoming.clear()
-            popped, computed = self._popped(), engine.stats.computed_tokens
+            computed = engine.stats.computed_tokens
             t0 = time.perf_counter()
             engine.step()
-            admitted = self._popped() - popped
-            for _ in range(min(admitted, len(self._fifo))):
-                self._running.append(self._fifo.popleft())
             cost = cfg.step_s + cfg.prefill_s_per_token * (engine.stats.computed_tokens - computed)
             await asyncio.sleep(max(0.0, cost - (time.perf_counter() - t0)))
-            for p in self._running:
-                end = min(len(p.pieces), p.emitted + dtps)
-                if end > p.emitted:
+            # what each running request has generated so far (the engine's own count;
+            # read-only use of its running list, this module's sibling)
+            for run in engine._running:
+                p = self._by_id.get(run.req.request_id)
+                if p is not None and run.generated > p.emitted:
+                    end = min(len(p.pieces), run.generated)
                     p.queue.put_nowait(("tokens", p.pieces[p.emitted : end]))
                     p.emitted = end
             results = engine.results
@@ -252,8 +250,6 @@ class SimHTTPEngine:
                 done = self._by_id.pop(r.request_id, None)
                 if done is None:
                     continue
-                if done in self._running:
-                    self._running.remove(done)
                 if done.emitted < len(done.pieces):
                     done.queue.put_nowait(("tokens", done.pieces[done.emitted :]))
                     done.emitted = len(done.pieces)
@@ -263,7 +259,9 @@ class SimHTTPEngine:
                 del results[: self._results_pos]
                 self._results_pos = 0
 
-    def _submit(self, prompt: list[int], max_tokens: int, lora: str | None) -> _Pending:
+    def _submit(
+        self, prompt: list[int], max_tokens: int, lora: str | None, salt: str | None = None
+    ) -> _Pending:
         if not prompt:
             raise _BadRequest("the prompt is empty")
         need = sum(-(-(len(prompt) + max_tokens) // g.block_size) for g in self.engine.groups)
@@ -275,7 +273,7 @@ class SimHTTPEngine:
             )
         rid = f"{self.name}-{next(self._ids)}"
         pieces = self.tokenizer.generate(prompt, max_tokens)
-        p = _Pending(rid, prompt, pieces, asyncio.Queue(), lora)
+        p = _Pending(rid, prompt, pieces, asyncio.Queue(), lora, salt)
         self._by_id[rid] = p
         self._incoming.append(p)
         assert self._wake is not None
@@ -394,10 +392,10 @@ class SimHTTPEngine:
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{labels} {float(len(self._running))}",
+            f"vllm:num_requests_running{labels} {float(e.num_running)}",
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{labels} {float(len(self._fifo) + len(self._incoming))}",
+            f"vllm:num_requests_waiting{labels} {float(e.num_waiting + len(self._incoming))}",
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{labels} {usage}",
@@ -463,7 +461,10 @@ class SimHTTPEngine:
         n = body.get("n", 1)
         if n != 1:
             raise _BadRequest("only n=1 is supported")
-        p = self._submit(prompt, max_tokens, lora)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise _BadRequest("'cache_salt' must be a string")
+        p = self._submit(prompt, max_tokens, lora, salt or None)
         model = body.get("model") or self.config.model
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + p.request_id

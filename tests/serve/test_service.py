@@ -312,3 +312,24 @@ def test_data_parallel_rank_gets_the_header() -> None:
             stack.call(rank1.stop())
     finally:
         stack.close()
+
+
+def test_cache_salt_is_keyed(stack: LocalStack) -> None:
+    prompt = "salted prompt words " * 20
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "cache_salt": "tenant-a"})
+        home = r.headers["x-kvevents-worker"]
+        wait_until(caught_up(stack), what="the index to catch up")
+        salted = c.post("/route", json={"prompt": prompt, "cache_salt": "tenant-a"}).json()
+        other = c.post("/route", json={"prompt": prompt, "cache_salt": "tenant-b"}).json()
+        plain = c.post("/route", json={"prompt": prompt}).json()
+        best = salted["ranked"][0]
+        assert best["engine"] + ":0" == home and best["gpu"] > 0
+        # another salt, or none, shares nothing with it (vLLM salts the first block)
+        assert all(x["gpu"] == x["cpu"] == 0 for x in other["ranked"] + plain["ranked"])
+        again = c.post(
+            "/v1/completions", json={"prompt": prompt + "more", "cache_salt": "tenant-a"}
+        )
+        assert again.headers["x-kvevents-worker"] == home
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == best["gpu"] + best["cpu"] > 0
