@@ -675,11 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="simulated engines + subscriber + index + router: compare routing policies",
-        description="Run simulated engines on loopback, subscribe to their KV events, build "
-        "the block index and route a seeded chat workload with the KV-aware router, the "
-        "same router fed GPU events only, round-robin and random; print hit rates per "
-        "tier and write a plot.",
+        help="simulated engines behind kvevents serve: compare routing policies over HTTP",
+        description="Run simulated engines on loopback (OpenAI HTTP fronts, KV-event "
+        "publishers), put kvevents serve in front with each policy (the KV-aware router, "
+        "the same router fed GPU events only, round-robin, random) and send a seeded "
+        "multi-turn chat workload through it with the load generator; print hit rates per "
+        "tier, time to first token and throughput, and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
     p.add_argument("--engines", type=int, help="number of engines")

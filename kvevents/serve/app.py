@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvevents.capture import CaptureWriter
 from kvevents.errors import ConfigError
 from kvevents.request import RequestKey
 from kvevents.serve.config import ServeConfig
@@ -134,11 +135,11 @@ class _RankStats:
 class ServeApp:
     """One service instance: the fleet, the policy, the upstream client, the metrics."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
         config.validate()
         self.config = config
         self.local = LocalTokenizer(config.tokenizer) if config.tokenizer else None
-        self.fleet = Fleet(config)
+        self.fleet = Fleet(config, capture)
         self.loads = LoadTracker(config.load_tokens)
         self.policy = RoutingPolicy(self.fleet, config.policy, self.loads, config.seed)
         sub = self.fleet.subscriber

@@ -13,6 +13,11 @@ answers with the end marker alone, so an idle engine counts as caught up.  The s
 ready once every rank has been ready; an engine lost later is marked down (and shown in
 ``/workers``) without making the service unready.
 
+With the ``kv-aware-gpu`` policy the index is fed GPU events only (CPU and storage
+events are dropped, as routers that ignore events without tokens do), so that policy
+neither sees nor predicts the CPU tier.  With a ``capture`` writer, every batch received
+is also written to it, as ``kvevents record`` would.
+
 Health: an engine whose HTTP front refuses connections is marked down
 (:meth:`Fleet.mark_down`) and skipped until :meth:`Fleet.mark_up` (the metrics scrape
 reaching it again).
@@ -32,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from kvevents.capture import CaptureWriter
 from kvevents.consumers import (
     Anomaly,
     BlockIndex,
@@ -41,6 +47,7 @@ from kvevents.consumers import (
     ZmqSource,
 )
 from kvevents.consumers.sources import REPLAY_END
+from kvevents.events import MEDIUM_GPU, KVEventBatch
 from kvevents.serve.config import EngineSpec, ServeConfig
 
 __all__ = ["Fleet", "RankState"]
@@ -186,8 +193,10 @@ class _WatchedSource:
 class Fleet:
     """Engines, their ranks, the block index and the consumer thread feeding it."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
         self.config = config
+        self.capture = capture
+        self.gpu_only = config.policy == "kv-aware-gpu"
         self.lock = threading.Lock()
         self.index = BlockIndex(blocks_per_chunk=config.blocks_per_chunk)
         self.ranks: list[RankState] = []
@@ -310,8 +319,18 @@ class Fleet:
                 st = self.rank_for(item.source, item.dp_rank)
                 if st is None:
                     self.unknown_batches += 1
+                if self.capture is not None:
+                    self.capture.write(
+                        item.source,
+                        item.topic,
+                        item.seq,
+                        item.payload,
+                        recv_ts=item.recv_ts,
+                        replayed=item.replayed,
+                    )
+                batch = _gpu_events(item.batch) if self.gpu_only else item.batch
                 with self.lock:
-                    self.index.apply(item.source, item.dp_rank, item.batch)
+                    self.index.apply(item.source, item.dp_rank, batch)
                 if st is not None:
                     st.batches += 1
                     st.events += len(item.batch.events)
@@ -329,3 +348,12 @@ class Fleet:
                     st.recent_anomalies.append(
                         f"{time.strftime('%H:%M:%S')} {item.kind}: {item.detail}"[:200]
                     )
+
+
+def _gpu_events(batch: KVEventBatch) -> KVEventBatch:
+    """The batch without its CPU/STORAGE events (``medium`` None is GPU, vLLM <= 0.10):
+    what a router that drops events without tokens sees (the ``kv-aware-gpu`` policy)."""
+    events = [e for e in batch.events if getattr(e, "medium", None) in (None, MEDIUM_GPU)]
+    if len(events) == len(batch.events):
+        return batch
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)

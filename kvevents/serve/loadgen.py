@@ -5,6 +5,9 @@ conversation's next turn is its whole history (system prompt, every question and
 answer the server gave) plus a new question, so a server that keeps a conversation's KV
 cache reuses nearly all of it.  At most ``sessions`` conversations are open at once; a
 turn is sent only after the previous turn's answer arrived, as a chat client would.
+The conversations are planned from the seed (tenant, number of turns, questions), and
+their turns add up to exactly ``requests``: two runs with one seed send the same
+questions, whatever order the answers come back in.
 
 Requests go out at a fixed ``concurrency`` (that many in flight) or at a ``rate``
 (Poisson arrivals, requests per second).  Every request streams with
@@ -134,57 +137,69 @@ class LoadgenReport:
 
 
 class _Session:
-    def __init__(self, sid: int, system: str, turns: int) -> None:
+    def __init__(self, sid: int, system: str, turns: int, rng: random.Random) -> None:
         self.sid = sid
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         self.turns_left = turns
         self.turn = 0
         self.busy = False
+        self.rng = rng
 
 
 class _Workload:
+    """The planned conversations: session ``s`` (its tenant, its number of turns, its
+    questions) depends only on the seed and ``s``, and the sessions' turns add up to
+    exactly ``requests``, so every run sends the same questions whatever the order the
+    answers come back in."""
+
     def __init__(self, cfg: LoadgenConfig) -> None:
         self.cfg = cfg
-        self.rng = random.Random(cfg.seed)
-        self.systems = [self.words(cfg.system_words, f"t{t}") for t in range(cfg.tenants)]
+        rng = random.Random(cfg.seed)
+        self.systems = [_words(rng, cfg.system_words, f"t{t}") for t in range(cfg.tenants)]
+        self.plan: list[tuple[int, int]] = []  # (tenant, turns) per session
+        total = 0
+        while total < cfg.requests:
+            turns = min(rng.randint(*cfg.turns), cfg.requests - total)
+            self.plan.append((rng.randrange(cfg.tenants), turns))
+            total += turns
         self.open: list[_Session] = []
         self.next_sid = 0
         self.issued = 0
-
-    def words(self, span: tuple[int, int], tag: str = "") -> str:
-        n = self.rng.randint(*span)
-        return " ".join(f"{tag}w{self.rng.randrange(50_000)}" for _ in range(n))
+        self.pick = random.Random(cfg.seed + 2)
 
     def next_turn(self) -> tuple[_Session, list[dict[str, str]]] | None:
-        """A free session's next request (opening sessions as needed), or None when
-        every open session waits for an answer and no more may open."""
+        """A free session's next request (opening planned sessions as room allows), or
+        None when every open session waits for an answer and none may open."""
         if self.issued >= self.cfg.requests:
             return None
-        free = [s for s in self.open if not s.busy]
-        if len(self.open) < self.cfg.sessions or not free:
-            if len(self.open) >= self.cfg.sessions and not free:
-                return None
-            tenant = self.rng.randrange(self.cfg.tenants)
-            s = _Session(self.next_sid, self.systems[tenant], self.rng.randint(*self.cfg.turns))
+        while len(self.open) < self.cfg.sessions and self.next_sid < len(self.plan):
+            sid = self.next_sid
+            tenant, turns = self.plan[sid]
+            srng = random.Random(f"{self.cfg.seed}/{sid}")
+            self.open.append(_Session(sid, self.systems[tenant], turns, srng))
             self.next_sid += 1
-            self.open.append(s)
-            free = [s]
-        s = free[self.rng.randrange(len(free))]
+        free = [s for s in self.open if not s.busy]
+        if not free:
+            return None
+        s = free[self.pick.randrange(len(free))]
         s.busy = True
-        s.messages.append({"role": "user", "content": self.words(self.cfg.question_words)})
+        s.messages.append({"role": "user", "content": _words(s.rng, self.cfg.question_words)})
         self.issued += 1
         return s, list(s.messages)
 
     def answered(self, s: _Session, text: str | None) -> None:
         s.busy = False
-        if text is None:  # failed: forget the question
-            s.messages.pop()
-            return
-        s.messages.append({"role": "assistant", "content": text})
+        # a failed turn still counts: the conversation goes on with an empty answer
+        s.messages.append({"role": "assistant", "content": text or ""})
         s.turn += 1
         s.turns_left -= 1
         if s.turns_left <= 0:
             self.open.remove(s)
+
+
+def _words(rng: random.Random, span: tuple[int, int], tag: str = "") -> str:
+    n = rng.randint(*span)
+    return " ".join(f"{tag}w{rng.randrange(50_000)}" for _ in range(n))
 
 
 async def _one(

@@ -13,8 +13,10 @@ So a new conversation that shares only a short system prompt with a busy engine 
 an idle one (the few hundred reused tokens are worth less than a queued request), while
 a follow-up turn, whose whole history is cached on its engine, stays there.
 
-``kv-aware-gpu`` credits only GPU hits (the router's CPU and storage weights are 0);
-``round-robin`` and ``random`` ignore the cache and the load, and are there as baselines.
+``kv-aware-gpu`` is a KV-aware router fed GPU events only (the fleet drops CPU and
+storage events for it, as routers that ignore events without tokens do): it cannot see,
+value or predict the CPU tier.  ``round-robin`` and ``random`` ignore the cache and the
+load, and are there as baselines.
 Every policy reports the index's prediction (the match per tier) for the rank it picks,
 so the online truth check works whatever the policy.
 """
@@ -109,8 +111,7 @@ class RoutingPolicy:
         self.fleet = fleet
         self.policy = policy
         self.loads = loads
-        weights = TierWeights(1.0, 0.0, 0.0) if policy == "kv-aware-gpu" else TierWeights()
-        self.router = Router(fleet.index, weights=weights, load_weight=1.0)
+        self.router = Router(fleet.index, weights=TierWeights(), load_weight=1.0)
         self._rng = random.Random(seed)
         self._next = 0
         self._lock = threading.Lock()

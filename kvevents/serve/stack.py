@@ -31,7 +31,10 @@ class LocalStack:
 
     ``serve`` is the service configuration without engines (they are filled in);
     ``sim`` the engines' shape and timing.  :attr:`url` is the service, :attr:`engines`
-    the engines (their :attr:`~SimHTTPEngine.url` can be called directly).
+    the engines (their :attr:`~SimHTTPEngine.url` can be called directly).  With
+    ``events_port`` P, engine i publishes on port P + i and serves replay on P + 100 + i
+    (otherwise free ports).  ``capture`` (a ``CaptureWriter``) records every batch the
+    service receives.
     """
 
     def __init__(
@@ -41,6 +44,8 @@ class LocalStack:
         serve: ServeConfig | None = None,
         sim: SimHTTPConfig | None = None,
         start_timeout_s: float = 30.0,
+        events_port: int | None = None,
+        capture: Any = None,
     ) -> None:
         if engines < 1:
             raise ConfigError("a stack needs at least one engine")
@@ -57,6 +62,8 @@ class LocalStack:
         self._server: Any = None
         self._serve_task: asyncio.Task[Any] | None = None
         self._start_timeout_s = start_timeout_s
+        self._events_port = events_port
+        self._capture = capture
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
         """Run ``coro`` on the stack's loop and wait for its result."""
@@ -77,7 +84,13 @@ class LocalStack:
         from kvevents.serve.app import ServeApp
 
         for i in range(self.n):
-            e = SimHTTPEngine(f"sim-{i}", self.sim_config)
+            p = self._events_port
+            e = SimHTTPEngine(
+                f"sim-{i}",
+                self.sim_config,
+                events=f"tcp://*:{p + i}" if p else "tcp://*:0",
+                replay=f"tcp://*:{p + 100 + i}" if p else "tcp://*:0",
+            )
             self.engines.append(e)
             await e.start()
         cfg = replace(
@@ -86,7 +99,7 @@ class LocalStack:
             host="127.0.0.1",
             port=0,
         )
-        self.service = ServeApp(cfg)
+        self.service = ServeApp(cfg, self._capture)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
