@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import islice
 from typing import Any
 
 from kvevents.request import RequestKey, embeds_digest
@@ -50,6 +51,7 @@ __all__ = [
     "chain_units",
     "extra_key",
     "lookahead_key",
+    "lookahead_mm",
     "prompt_keys",
     "request_keys",
     "root_key",
@@ -102,8 +104,15 @@ def _tail_fold(k: int, item: Any) -> int:
     return hash((k, extra_key(item), 2))
 
 
-def lookahead_key(chain: int, tokens: Sequence[int]) -> int:
-    """The mark key of a block whose hash also covers the next ``tokens`` (lookahead)."""
+def lookahead_key(chain: int, tokens: Sequence[int], mm: Sequence[tuple[str, int]] = ()) -> int:
+    """The mark key of a block whose hash also covers the next ``tokens`` (lookahead).
+
+    ``mm`` are the ``(identifier, offset from the block end)`` of multimodal inputs that
+    start among those tokens (vLLM computes a lookahead block's extra keys over the
+    widened window).
+    """
+    if mm:
+        return hash((chain, tuple(tokens), 1, tuple((_str_int(i), o) for i, o in mm)))
     return hash((chain, tuple(tokens), 1))
 
 
@@ -173,6 +182,8 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     t = tuple(tokens)
     starts: dict[int, list[tuple[str, int]]] = {}
     for ident, off in extras.mm:
+        # (an input starting at or after the block end is a lookahead-window input: the
+        # caller folds it into the block's lookahead key, see lookahead_mm)
         starts.setdefault(off // unit, []).append((ident, off % unit))
     k = parent
     for j, a in enumerate(range(0, len(t), unit)):
@@ -182,6 +193,14 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     for item in extras.tail:
         k = _tail_fold(k, item)
     return k
+
+
+def lookahead_mm(extras: EventExtras | None, block_size: int) -> list[tuple[str, int]]:
+    """The multimodal inputs of a block's extras that start in its lookahead window, as
+    ``(identifier, offset from the block end)``."""
+    if extras is None:
+        return []
+    return [(i, o - block_size) for i, o in extras.mm if o >= block_size]
 
 
 def prompt_keys(
@@ -212,20 +231,36 @@ def request_keys(key: RequestKey, unit: int, block_size: int | None = None) -> l
     starts: dict[int, list[tuple[str, int]]] = {}
     for f in feats:
         starts.setdefault(f.offset // unit, []).append((f.identifier, f.offset % unit))
-    per_block = 0
-    if embeds is not None:
-        if block_size is None or block_size % unit:
-            raise ValueError("prompt-embeds keys need the engine block size (a multiple of unit)")
-        per_block = block_size // unit
     k = root_key(key.lora_name, key.cache_salt)
     out: list[int] = []
-    for j, unit_tokens in enumerate(zip(*[iter(key.tokens)] * unit)):
+    append = out.append
+    units = zip(*[iter(key.tokens)] * unit)
+    if embeds is None:
+        # plain chaining between the units where an input starts, folds at those units
+        pos = 0
+        for j in sorted(starts):
+            for unit_tokens in islice(units, j - pos + 1):
+                k = hash((k, unit_tokens))
+                append(k)
+            if len(out) != j + 1:
+                return out  # the prompt ends before this input's unit
+            for ident, off in starts[j]:
+                k = _mm_fold(k, ident, off)
+            out[j] = k
+            pos = j + 1
+        for unit_tokens in units:
+            k = hash((k, unit_tokens))
+            append(k)
+        return out
+    if block_size is None or block_size % unit:
+        raise ValueError("prompt-embeds keys need the engine block size (a multiple of unit)")
+    per_block = block_size // unit
+    for j, unit_tokens in enumerate(units):
         k = hash((k, unit_tokens))
         for ident, off in starts.get(j, ()):
             k = _mm_fold(k, ident, off)
-        if per_block and (j + 1) % per_block == 0:
-            assert embeds is not None
+        if (j + 1) % per_block == 0:
             end = (j + 1) * unit
-            k = _tail_fold(k, embeds_digest(embeds, end - per_block * unit, end))
-        out.append(k)
+            k = _tail_fold(k, embeds_digest(embeds, end - block_size, end))
+        append(k)
     return out

@@ -22,9 +22,15 @@ Model
   out, cleared or reset before it joins is counted as unjoined, never guessed.
 * Matching is by *content*: every engine block ends at a canonical unit boundary
   (``canonical_block_size`` tokens) whose chained key over tokens, LoRA name and extra
-  keys is independent of the engine's hash algorithm and seed.  A content-key → worker
-  bitset map per tier lets the router walk a prompt's keys once for all workers
-  (see :mod:`kvevents.consumers.router`).
+  keys is independent of the engine's hash algorithm and seed
+  (:mod:`kvevents.consumers.content`).  A content-key → worker bitset map per tier lets
+  the router walk a prompt's keys once for all workers (see
+  :mod:`kvevents.consumers.router`).  Marks are counted: two engine blocks of one group
+  with the same content key are two references.
+* Groups keep their kind and window (``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``) for the router's hybrid lookup, and their block size
+  is the largest GPU block size seen: a smaller store is a partial tail, kept but never
+  matched.
 * Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
   that the least recently stored entries of the biggest worker are evicted and counted.
 
@@ -52,6 +58,7 @@ from kvevents.consumers.content import (
     chain_block,
     chain_units,
     lookahead_key,
+    lookahead_mm,
     root_key,
     split_extras,
 )
@@ -388,6 +395,7 @@ class _SpecGroup:
     """Sliding window or attention chunk size in tokens (0 for full attention)."""
     bits: int
     """Slot bits of the member groups: a block is held when every member holds it."""
+    slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -446,7 +454,11 @@ class _Layout:
     plans: dict[WorkerId, _Plan] = field(default_factory=dict)
     """Every worker's lookup plan."""
     complex_workers: tuple[WorkerId, ...] = ()
-    """Workers the bitset walks do not serve (hybrid, windowed, speculative, blocked)."""
+    """Workers the bitset walks do not serve (hybrid, windowed, speculative)."""
+    complex_full_classes: list[tuple[int, int]] = field(default_factory=list)
+    """(units per block, slot mask) of those workers' full-attention slots (without
+    lookahead), whose prefix runs one walk finds for all of them."""
+    complex_full_mask: int = 0
 
 
 def _per_worker(config: Any, wid: WorkerId) -> Any:
@@ -993,7 +1005,7 @@ class BlockIndex:
                         ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
                     chain = ck = chain_block(pk, t[base : base + size], unit, ex)
                     if la and i < len(la) and la[i]:
-                        ck = lookahead_key(chain, la[i])
+                        ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
                 elif index_keys:
                     stats.skipped["unknown_parent"] += 1
                 m = _pack(
@@ -1503,11 +1515,14 @@ class BlockIndex:
             members.append((cls, gs.block_size, window, gs))
         if not members:
             blocked = blocked or "no_group"
-        spec: dict[tuple[str, int, int], int] = {}
+        spec: dict[tuple[str, int, int], list[int]] = {}
         for cls, size, window, gs in members:
-            spec[(cls, size, window)] = spec.get((cls, size, window), 0) | gs.bit
+            spec.setdefault((cls, size, window), []).append(gs.slot)
         order = sorted(spec.items(), key=lambda kv: kv[0][0] != "full")  # stable
-        spec_groups = tuple(_SpecGroup(c, b, wdw, bits) for (c, b, wdw), bits in order)
+        spec_groups = tuple(
+            _SpecGroup(c, b, wdw, sum(1 << x for x in slots), tuple(slots))
+            for (c, b, wdw), slots in order
+        )
         sizes = [m[1] for m in members if m[1]]
         unitary = len(w.groups) == 1
         align = math.lcm(*sizes) if sizes else 1
@@ -1540,6 +1555,7 @@ class BlockIndex:
         slot_worker: dict[int, WorkerId] = {}
         plans: dict[WorkerId, _Plan] = {}
         complex_workers: list[WorkerId] = []
+        cfull: dict[int, int] = {}
         for wid in sorted(self._workers):
             w = self._workers[wid]
             plan = plans[wid] = self._plan(w)
@@ -1553,6 +1569,11 @@ class BlockIndex:
             if not simple:
                 if plan.blocked is None:  # (a blocked worker is never credited)
                     complex_workers.append(wid)
+                    if not plan.lookahead:
+                        for sg in plan.spec_groups:
+                            if sg.cls == "full":
+                                u = sg.block_size // unit
+                                cfull[u] = cfull.get(u, 0) | sg.bits
                 continue
             (gs,) = w.groups.values()
             slot_worker[gs.slot] = wid
@@ -1580,6 +1601,8 @@ class BlockIndex:
             simple_mask=simple_mask,
             plans=plans,
             complex_workers=tuple(complex_workers),
+            complex_full_classes=sorted(cfull.items()),
+            complex_full_mask=_or_all(cfull.values()),
         )
         return self._layout
 

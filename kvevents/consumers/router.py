@@ -1,19 +1,27 @@
-"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex` (DESIGN §4).
+"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex`.
 
 :meth:`Router.find_matches` says, per worker, how many leading prompt tokens that engine
-would actually reuse from each tier, counted the way vLLM counts them:
+would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
 
-* ``gpu``: the longest prefix held on GPU, in whole engine blocks, the minimum over the
-  worker's prefix-indexable groups;
-* ``cpu``: the tokens the CPU tier adds *after* ``gpu``.  Per group with chunk size
-  ``T = blocks_per_chunk × block_size``, consecutive CPU chunks are counted from chunk
-  ``gpu // T``; the hit ends at ``T × (last hit chunk + 1)``; the smallest end over the
-  groups wins, and if any group would add less than one whole chunk beyond ``gpu``
-  (or has no chunk at all) ``cpu`` is 0;
+* ``gpu``: ``KVCacheManager.get_computed_blocks``: at most ``num_tokens - 1`` tokens in
+  whole blocks; with several KV-cache groups, ``HybridKVCacheCoordinator``'s lookup
+  (hits aligned to the lcm of the block sizes; full-attention, sliding-window and
+  chunked-local groups each judged as their manager's ``find_longest_cache_hit``
+  judges them, until all agree); EAGLE's drop of the last block and lookahead hashing
+  per worker;
+* ``cpu``: the tokens the CPU tier adds *after* ``gpu``, as the offload connector's
+  ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
+  less with windowed groups), tightened group by group (full attention first) to the end
+  of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
+  than one of the current group's chunks remains beyond ``gpu``;
 * ``storage``: likewise after ``gpu + cpu``.
 
-The walk computes the prompt's content keys once and intersects per-tier worker bitsets
-along them, so its cost grows with the matched length, not with workers × length.
+A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
+multimodal inputs, prompt embeddings).  Workers with one full-attention group and no
+speculative mode (the usual fleet) are answered by walks that compute the prompt's
+content keys once and intersect per-tier worker bitsets along them, so their cost grows
+with the matched length, not with workers × length; every other worker is looked up on
+its own (:class:`_Lookup`).
 """
 
 from __future__ import annotations
@@ -117,11 +125,24 @@ class Router:
         else:
             keys = []  # block-size dependent: every worker is looked up on its own
         out: dict[WorkerId, Match] = {}
-        if lay.gpu_classes and keys and n > unit:
+        if lay.gpu_classes and keys:
             out = _simple_matches(keys, n, lay, index)
         workers = lay.complex_workers if keys else tuple(lay.plans)
         if workers:
-            lookup = _Lookup(index, key if key is not None else RequestKey(tokens), keys)
+            prefix: dict[int, int] | None = None
+            if keys and lay.complex_full_classes:
+                # the GPU prefix runs of every full-attention slot of these workers, in
+                # one walk (units held from token 0, capped at the last token)
+                prefix = {}
+                gkeys = keys[: (n - 1) // unit]
+                classes, mask = lay.complex_full_classes, lay.complex_full_mask
+                for e, bits in _walk(gkeys, index.marks(0), classes, mask, {}):
+                    while bits:
+                        b = bits.bit_length() - 1
+                        prefix[b] = e
+                        bits ^= 1 << b
+            rkey = key if key is not None else RequestKey(tokens)
+            lookup = _Lookup(index, rkey, keys, prefix)
             for wid in workers:
                 plan = lay.plans[wid]
                 if plan.blocked is None:
@@ -222,7 +243,13 @@ def _request_key(
 class _Lookup:
     """One request looked up on workers one at a time, by vLLM's rules (module doc)."""
 
-    def __init__(self, index: BlockIndex, key: RequestKey, keys: list[int]) -> None:
+    def __init__(
+        self,
+        index: BlockIndex,
+        key: RequestKey,
+        keys: list[int],
+        prefix: dict[int, int] | None = None,
+    ) -> None:
         self.index = index
         self.key = key
         self.tokens = key.tokens
@@ -230,8 +257,12 @@ class _Lookup:
         self.unit = index.canonical_block_size
         self._keys = keys
         self._by_size: dict[int, list[int]] = {}
+        self._vals: dict[tuple[int, int, int], list[int]] = {}
         self.marks = (index.marks(0), index.marks(1), index.marks(2))
         self.lookahead = 0
+        self.prefix = prefix
+        """Slot -> units its GPU blocks hold from token 0 (full-attention slots of
+        workers without lookahead, from one walk over all of them), if computed."""
 
     def keys(self, block_size: int) -> list[int]:
         if self._keys:
@@ -241,17 +272,82 @@ class _Lookup:
             ks = self._by_size[block_size] = request_keys(self.key, self.unit, block_size)
         return ks
 
-    def held(self, tier: int, bits: int, end: int, block_size: int) -> bool:
-        """Whether every slot of ``bits`` holds the block (GPU) or chunk (CPU/STORAGE)
-        of this request ending at token ``end``."""
+    def vals(self, tier: int, block_size: int) -> list[int]:
+        """Per unit of the request, the bitset of slots marking the key ending there on
+        ``tier`` (with the current lookahead; units whose lookahead tokens are not in
+        the prompt are not hashed and absent)."""
         la = self.lookahead
-        if end <= 0 or end + la > self.n:
-            return False  # not hashed: beyond the prompt, or its lookahead tokens are
-        k = self.keys(block_size)[end // self.unit - 1]
-        if la:
-            k = lookahead_key(k, self.tokens[end : end + la])
-        v = self.marks[tier].get(k)
-        return v is not None and v & bits == bits
+        ck = (tier, 0 if self._keys else block_size, la)
+        v = self._vals.get(ck)
+        if v is None:
+            ks = self.keys(block_size)
+            get = self.marks[tier].get
+            if not la:
+                v = list(map(get, ks, repeat(0)))
+            else:
+                unit, toks, feats = self.unit, self.tokens, self.key.mm_features
+                v = []
+                for i, k in enumerate(ks):
+                    end = (i + 1) * unit
+                    if end + la > self.n:
+                        break  # not hashed: its lookahead tokens are not in the prompt
+                    mm = [
+                        (f.identifier, f.offset - end) for f in feats if end <= f.offset < end + la
+                    ]
+                    v.append(get(lookahead_key(k, toks[end : end + la], mm), 0))
+            self._vals[ck] = v
+        return v
+
+    def run(self, tier: int, bits: int, size: int, first: int, stop: int, span: int = 0) -> int:
+        """How many consecutive blocks of ``size`` tokens (or chunks of ``span`` tokens),
+        from index ``first`` up to ``stop``, every slot of ``bits`` holds."""
+        v = self.vals(tier, size)
+        step = (span or size) // self.unit
+        stop = min(stop, len(v) // step)
+        i = first
+        idx = (first + 1) * step - 1
+        while i < stop and v[idx] & bits == bits:
+            i += 1
+            idx += step
+        return i - first
+
+    def last_run(
+        self,
+        tier: int,
+        bits: int,
+        size: int,
+        first: int,
+        stop: int,
+        need: int,
+        align: int,
+        span: int = 0,
+    ) -> int:
+        """Scanning blocks of ``size`` tokens (or chunks of ``span``) ``[first, stop)``
+        from the right, the end index of the first run of ``need`` held ones whose right
+        end is a multiple of ``align`` tokens (vLLM's sliding-window scans); -1 if none.
+        ``self.tail`` gets the run still open when the scan reached ``first``."""
+        v = self.vals(tier, size)
+        span = span or size
+        step = span // self.unit
+        stop = min(stop, len(v) // step)
+        run = 0
+        i = stop - 1
+        idx = stop * step - 1
+        while i >= first:
+            if v[idx] & bits == bits:
+                if run or span == align or (i + 1) * span % align == 0:
+                    run += 1
+                    if run >= need:
+                        self.tail = run
+                        return i + run
+            else:
+                run = 0
+            i -= 1
+            idx -= step
+        self.tail = run
+        return -1
+
+    tail = 0
 
     def match(self, plan: _Plan) -> Match:
         self.lookahead = plan.lookahead
@@ -302,12 +398,14 @@ class _Lookup:
         """One spec group's hit in tokens, at most ``max_len``, a multiple of ``align``."""
         size = sg.block_size
         bits = sg.bits
-        held = self.held
         nb = max_len // size if max_len > 0 else 0
         if sg.cls == "full":
-            c = 0
-            while c < nb and held(0, bits, (c + 1) * size, size):
-                c += 1
+            prefix = self.prefix
+            if prefix is not None and not self.lookahead:
+                step = size // self.unit
+                c = min(nb, min(prefix.get(s, 0) for s in sg.slots) // step)
+            else:
+                c = self.run(0, bits, size, 0, nb)
             if drop and c:
                 c -= 1
             while size != align and c * size % align:
@@ -316,26 +414,12 @@ class _Lookup:
         if sg.cls == "local":
             # blocks before the attention chunk holding max_len are outside every window
             first = (max_len // sg.window * sg.window if max_len > 0 else 0) // size
-            c = first
-            while c < nb and held(0, bits, (c + 1) * size, size):
-                c += 1
-            return c * size
+            return (first + self.run(0, bits, size, first, nb)) * size
         # sliding window: the window's blocks at the hit end, searched from the right
-        need = -(-(sg.window - 1) // size) + (1 if drop else 0)
-        run = 0
-        hit = -1
-        for i in range(nb - 1, -1, -1):
-            if held(0, bits, (i + 1) * size, size):
-                if run == 0 and size != align and (i + 1) * size % align:
-                    continue
-                run += 1
-                if run >= need:
-                    hit = i + run
-                    break
-            else:
-                run = 0
+        need = max(1, -(-(sg.window - 1) // size) + (1 if drop else 0))
+        hit = self.last_run(0, bits, size, 0, nb, need, align)
         if hit < 0:
-            hit = run
+            hit = self.tail  # the run reaching block 0, if it started on an aligned end
             while size != align and hit * size % align:
                 hit -= 1
         if drop and hit:
@@ -350,35 +434,29 @@ class _Lookup:
         n = self.n
         bound = n - 1 if plan.windowed else n
         hashed = n - plan.lookahead
-        held = self.held
+        eagle = plan.eagle
         for cls, size, wchunks, bit in plan.chunk_groups:
             tpc = plan.bpc * size
             nkeys = hashed // tpc if hashed > 0 else 0
             bound = min(bound, nkeys * tpc)
             if bound - base < tpc:
                 return 0
-            nb = min(-(-bound // tpc), nkeys)
+            query = bound
+            if eagle and cls != "full":
+                # an EAGLE window group looks one chunk further, then drops it
+                query = min(bound + tpc, nkeys * tpc)
+                wchunks += 1
+            nb = min(-(-query // tpc), nkeys)
             start = base // tpc
             if cls == "full":
-                c = start
-                while c < nb and held(tier, bit, (c + 1) * tpc, size):
-                    c += 1
-                hits = c - start
+                hits = self.run(tier, bit, size, start, nb, tpc)
             else:
-                run = 0
-                hits = -1
-                for c in range(nb - 1, start - 1, -1):
-                    if held(tier, bit, (c + 1) * tpc, size):
-                        run += 1
-                        if run == wchunks:
-                            hits = c - start + wchunks
-                            break
-                    else:
-                        run = 0
-                if hits < 0:
-                    hits = run
+                end = self.last_run(tier, bit, size, start, nb, wchunks, tpc, tpc)
+                hits = end - start if end >= 0 else self.tail
             if hits <= 0:
                 return 0
+            if eagle:
+                hits -= 1  # EAGLE drops the last hit chunk
             bound = min(bound, tpc * (start + hits))
             if bound - base < tpc:
                 return 0
@@ -395,8 +473,6 @@ def _simple_matches(
     """
     unit = lay.canonical
     gkeys = keys[: (n - 1) // unit]
-    if not gkeys:
-        return {}
     if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1:
         return _uniform_matches(gkeys, keys, lay, index)
     # Results per slot, in tokens.  Each walk reports its hits as runs (end, slots); the

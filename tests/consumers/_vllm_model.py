@@ -17,12 +17,13 @@ included).  It follows vLLM's functions step by step:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvevents.consumers.router import Match
 
-Prefixes = dict[tuple[int, str], set[tuple[int, ...]]]
+Prefixes = dict[tuple[int, str], set[Any]]
 """(group, tier) -> token prefixes whose block (GPU) or chunk (CPU/STORAGE) is held."""
 
 
@@ -45,7 +46,10 @@ def expected_match(
     *,
     eagle: bool = False,
     lookahead: int = 0,
+    ident: Callable[[tuple[int, ...]], Hashable] | None = None,
 ) -> Match:
+    """``ident`` maps a block's token prefix (lookahead tokens included) to what ``held``
+    stores for it (default: the prefix itself), e.g. with the request's extra keys."""
     toks = tuple(tokens)
     n = len(toks)
 
@@ -54,7 +58,8 @@ def expected_match(
         if end <= 0 or end + lookahead > n:
             return False
         prefix = toks[: end + lookahead]
-        return all(prefix in held.get((g, tier), set()) for g in gis)
+        item = prefix if ident is None else ident(prefix)
+        return all(item in held.get((g, tier), set()) for g in gis)
 
     def find(gis: Sequence[int], grp: Group, max_len: int, align: int, drop: bool) -> int:
         s = grp.size
@@ -155,7 +160,12 @@ def expected_match(
             bound = min(bound, num_keys * tpc)
             if bound - base < tpc:
                 return 0
-            stop = min(_cdiv(bound, tpc), num_keys)
+            query = bound
+            need = _cdiv(grp.window, tpc) if grp.window else 0
+            if eagle and grp.cls != "full":
+                query = min(bound + tpc, num_keys * tpc)
+                need += 1
+            stop = min(_cdiv(query, tpc), num_keys)
             first = base // tpc
             chunks = list(range(first, stop))
             if grp.cls == "full":
@@ -165,7 +175,6 @@ def expected_match(
                         hits = j
                         break
             else:
-                need = _cdiv(grp.window, tpc)
                 run = 0
                 hits = None
                 for j in reversed(range(len(chunks))):
@@ -180,6 +189,8 @@ def expected_match(
                     hits = run
             if hits == 0:
                 return 0
+            if eagle:
+                hits -= 1
             bound = min(bound, tpc * (first + hits))
             if bound - base < tpc:
                 return 0

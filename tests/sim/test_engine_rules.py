@@ -245,3 +245,25 @@ def test_cpu_lookup_with_a_sliding_window_group(
     raw = RequestHasher(16).extend(list(range(1, num_tokens + 1)))
     off.manager = _Stored({off.key(raw, g, c) for g, c in missing})
     assert off.lookup(raw, gpu, num_tokens) == cpu
+
+
+def test_cpu_lookup_checks_an_earlier_window_again_at_a_lower_bound() -> None:
+    # full attention + windows of 3 and 5 chunks; the GPU hit ends at chunk 9.  Pass 1:
+    # full attention reaches chunk 16 (bound 256), window 3 finds chunks 13-15, window 5
+    # only 10-14 (bound 240).  Window 3 is checked again below 240: no 3 consecutive
+    # chunks end there, only the 2 chunks right after the GPU hit (bound 176)
+    fa = KVCacheGroupSpec(16)
+    w3 = KVCacheGroupSpec(16, "sliding_window", sliding_window=48)
+    w5 = KVCacheGroupSpec(16, "sliding_window", sliding_window=80)
+    e, _ = engine(fa, w3, w5, num_cpu_chunks=8)
+    off = e.offload
+    assert off is not None and off.window_chunks == [None, 3, 5]
+    raw = RequestHasher(16).extend(list(range(1, 296)))
+    held = {
+        0: set(range(16)),
+        1: set(range(6, 11)) | set(range(13, 16)),
+        2: set(range(4, 15)),
+    }
+    missing = {off.key(raw, g, c) for g in held for c in range(18) if c not in held[g]}
+    off.manager = _Stored(missing)
+    assert off.lookup(raw, 144, 295) == 32

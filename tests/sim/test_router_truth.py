@@ -16,7 +16,6 @@ rule either side gets wrong shows up here as a mismatch.
 
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 import time
@@ -52,7 +51,8 @@ class Case:
     engine: SimEngineConfig
     workload: WorkloadConfig
     speculative: dict[str, Any] = field(default_factory=dict)
-    """How the router is told what the wire does not say (EAGLE modes)."""
+    """What the wire does not say, told to the index (EAGLE modes: ``BlockIndex``'s
+    ``lookahead_tokens`` / ``eagle_drop``)."""
 
 
 def _workload(**kw: Any) -> WorkloadConfig:
@@ -99,6 +99,21 @@ CASES: dict[str, Case] = {
             decode_tokens_per_step=16,
         ),
         _workload(output_tokens=(24, 96), seed=13),
+    ),
+    # two windows: when the second lowers the CPU bound, the first must be checked again
+    # at the lower bound (the window it found may now stick out past it)
+    "full_and_two_sliding_windows": Case(
+        _engine(
+            groups=(
+                FA16,
+                KVCacheGroupSpec(16, "sliding_window", sliding_window=48),
+                KVCacheGroupSpec(16, "sliding_window", sliding_window=80),
+            ),
+            num_gpu_blocks=180,
+            num_cpu_chunks=200,
+            decode_tokens_per_step=16,
+        ),
+        _workload(output_tokens=(24, 96), seed=2001),
     ),
     "two_groups_16_32": Case(
         _engine(groups=(FA16, KVCacheGroupSpec(32)), num_gpu_blocks=90, num_cpu_chunks=200),
@@ -174,37 +189,6 @@ class _Follower:
         self.sub.close()
 
 
-def _accepts(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _make_index(case: Case) -> BlockIndex:
-    kw: dict[str, Any] = {"blocks_per_chunk": case.engine.blocks_per_chunk}
-    for name, value in case.speculative.items():
-        if _accepts(BlockIndex.__init__, name):
-            kw[name] = value
-    return BlockIndex(**kw)
-
-
-def _make_router(case: Case, index: BlockIndex) -> Router:
-    kw: dict[str, Any] = {}
-    for name, value in case.speculative.items():
-        if _accepts(Router.__init__, name):
-            kw[name] = value
-    return Router(index, **kw)
-
-
-def _find(router: Router, key: RequestKey) -> Any:
-    """``find_matches`` with a request key; routers that take only tokens (and a LoRA
-    name) are asked that way, so plain configurations can be compared with them too."""
-    if _accepts(router.find_matches, "cache_salt"):
-        return router.find_matches(key)
-    return router.find_matches(list(key.tokens), key.lora_name)
-
-
 @dataclass
 class Outcome:
     exact: int = 0
@@ -215,8 +199,8 @@ class Outcome:
 def run_case(case: Case, *, engines: int = 2) -> tuple[Outcome, list[SimEngine]]:
     """Route and run ``case``'s workload; compare every admission with its prediction."""
     requests = generate_workload(case.workload)
-    index = _make_index(case)
-    router = _make_router(case, index)
+    index = BlockIndex(blocks_per_chunk=case.engine.blocks_per_chunk, **case.speculative)
+    router = Router(index)
     rng = random.Random(case.workload.seed)
     with SimCluster(ClusterConfig(num_engines=engines, engine=case.engine)) as cluster:
         follower = _Follower(cluster, index)
@@ -229,7 +213,7 @@ def run_case(case: Case, *, engines: int = 2) -> tuple[Outcome, list[SimEngine]]
                 w = by_engine[engine.name]
                 follower.wait_for(w.worker_id, engine.stats.batches_published - 1)
                 with follower.lock:
-                    m = _find(router, key).get(w.worker_id)
+                    m = router.find_matches(key).get(w.worker_id)
                 gpu, cpu = (int(m.gpu), int(m.cpu)) if m is not None else (0, 0)
                 # the last call before an admission is the one it answers
                 predicted[engine.name][len(engine.admissions)] = (req.request_id, gpu, cpu)
