@@ -5,9 +5,13 @@ Costs are in prompt tokens.  For the KV-aware policies, an engine rank's cost is
 prompt minus tier-weighted reuse) plus its load.  Load is what already waits on that
 rank, also in tokens:
 
-``load = load_tokens × max(requests in flight through the service, running + waiting
-reported by the engine's /metrics) + prompt tokens still to prefill of the requests in
-flight that have not answered yet + load_tokens × KV-cache usage``
+``load = load_tokens × (requests in flight through the service + the engine's other
+requests) + prompt tokens still to prefill of the requests in flight that have not
+answered yet + load_tokens × KV-cache usage``
+
+where the engine's other requests are the running + waiting it reported at the last
+``/metrics`` scrape minus the service's own requests in flight at that moment (the
+service's own are counted live, so a scrape does not keep them alive after they end).
 
 So a new conversation that shares only a short system prompt with a busy engine goes to
 an idle one (the few hundred reused tokens are worth less than a queued request), while
@@ -66,6 +70,7 @@ class _Gauges:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    external: float = 0.0
 
 
 @dataclass
@@ -82,8 +87,7 @@ class LoadTracker:
 
     def load(self, label: str) -> float:
         g = self.gauges.get(label)
-        engine_side = (g.running + g.waiting) if g else 0.0
-        queued = max(float(self.inflight.get(label, 0)), engine_side)
+        queued = float(self.inflight.get(label, 0)) + (g.external if g else 0.0)
         usage = g.kv_usage if g else 0.0
         return self.load_tokens * (queued + usage) + self.prefill.get(label, 0)
 
@@ -99,7 +103,11 @@ class LoadTracker:
         self.inflight[label] = max(0, self.inflight.get(label, 0) - 1)
 
     def set_gauges(self, label: str, running: float, waiting: float, kv_usage: float) -> None:
-        self.gauges[label] = _Gauges(running, waiting, kv_usage)
+        """Record a scrape.  The requests the engine reports beyond those in flight through
+        the service at that moment are others' (``external``); the service's own are
+        counted live, so a scrape taken while they ran does not outlive them."""
+        external = max(0.0, running + waiting - self.inflight.get(label, 0))
+        self.gauges[label] = _Gauges(running, waiting, kv_usage, external)
 
 
 class RoutingPolicy:
