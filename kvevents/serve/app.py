@@ -395,6 +395,7 @@ class ServeApp:
         label = st.label
         first = True
         ok = False
+        gone = False
         buf = bytearray()
         try:
             async for chunk in resp.aiter_raw():
@@ -420,13 +421,17 @@ class ServeApp:
             if stream:
                 err = error_body(f"engine {label} broke off the answer: {type(exc).__name__}", 502)
                 yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            gone = True  # the client went away: counted as 499, nothing to check
+            raise
         finally:
             await resp.aclose()
             if first:
                 self.loads.answered(label, uncached)
             self.loads.finished(label)
             self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
-            self.metrics.requests.labels(path, str(resp.status_code if ok else 502)).inc()
+            status = resp.status_code if ok else (499 if gone else 502)
+            self.metrics.requests.labels(path, str(status)).inc()
             if ok and resp.status_code == 200:
                 self._truth(cand, bytes(buf), stream)
 

@@ -301,3 +301,19 @@ def test_engine_killed_mid_run_is_marked_and_skipped(fleet: Fleet) -> None:
         stop.set()
         t.join()
     assert health and set(health) == {200}
+
+
+def test_sim_serve_and_serve_stop_cleanly_on_sigterm() -> None:
+    sims = Proc("sim", "serve", "--engines", "1")
+    try:
+        (line,) = sims.read_lines(1)
+        service = Proc("serve", *line.split(" ", 1), "--port", "0")
+        try:
+            (listening,) = service.read_lines(1)
+            url = re.search(r"http://127\.0\.0\.1:\d+", listening).group(0)  # type: ignore[union-attr]
+            wait_until(lambda: httpx.get(url + "/healthz").status_code == 200, what="/healthz")
+        finally:
+            # uvicorn shuts down gracefully, then re-raises the signal (as vLLM's server)
+            assert service.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+    finally:
+        assert sims.stop(signal.SIGTERM) == 0
