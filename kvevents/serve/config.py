@@ -21,7 +21,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvevents.errors import ConfigError
@@ -147,7 +147,6 @@ class ServeConfig:
     retry_after_s: float = 2.0
     replay_timeout_s: float = 5.0
     seed: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""

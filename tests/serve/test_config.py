@@ -128,3 +128,19 @@ def test_library_imports_without_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_local_tokenizer_files(tmp_path: Path) -> None:
+    from kvevents.serve.tokens import LocalTokenizer
+    from kvevents.sim.tokenizer import SimTokenizer
+
+    with pytest.raises(ConfigError, match="cannot read"):
+        LocalTokenizer(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(ConfigError):
+        LocalTokenizer(str(bad))
+    good = tmp_path / "sim.json"
+    SimTokenizer(1000).save(str(good))
+    tok = LocalTokenizer(str(good))
+    assert tok.handles_chat and tok.encode("a b") == SimTokenizer(1000).encode("a b")

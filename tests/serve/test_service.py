@@ -333,3 +333,31 @@ def test_cache_salt_is_keyed(stack: LocalStack) -> None:
         assert again.headers["x-kvevents-worker"] == home
         cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == best["gpu"] + best["cpu"] > 0
+
+
+def test_local_tokenizer_gives_the_engines_tokens(tmp_path: pytest.TempPathFactory) -> None:
+    from kvevents.sim.tokenizer import SimTokenizer
+
+    path = str(tmp_path / "tok.json")  # type: ignore[operator]
+    SimTokenizer().save(path)
+    with LocalStack(2, serve=ServeConfig(scrape_interval_s=0.2, tokenizer=path)) as s:
+        wait_until(lambda: ready(s.url), what="/readyz")
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "local"}]
+            r1 = chat(c, msgs)
+            wait_until(caught_up(s), what="the index to catch up")
+            msgs2 = [
+                *msgs,
+                {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+            ]
+            msgs2.append({"role": "user", "content": "again"})
+            engine = s.engines[0]
+            # the service's tokens (local) are the engine's own (its /tokenize)
+            local = c.post("/route", json={"messages": msgs2}).json()
+            remote = httpx.post(engine.url + "/tokenize", json={"messages": msgs2}).json()
+            assert local["tokens"] == remote["count"]
+            r2 = chat(c, msgs2)
+            best = local["ranked"][0]
+            assert r2.headers["x-kvevents-worker"] == r1.headers["x-kvevents-worker"]
+            cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == best["gpu"] + best["cpu"] > 0
