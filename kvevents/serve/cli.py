@@ -186,7 +186,7 @@ def add_parsers(sub: Any) -> None:
         "--load-tokens",
         type=float,
         metavar="T",
-        help="cost of one request already in flight on an engine, in prompt tokens (256)",
+        help="cost of one request already in flight on an engine, in prompt tokens (64)",
     )
     p.add_argument(
         "--scrape-interval", type=float, metavar="S", help="engine /metrics interval (1)"

@@ -140,7 +140,7 @@ class ServeConfig:
     policy: str = "kv-aware"
     tokenizer: str | None = None
     blocks_per_chunk: int | None = None
-    load_tokens: float = 256.0
+    load_tokens: float = 64.0
     scrape_interval_s: float = 1.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0

@@ -80,7 +80,7 @@ class LoadTracker:
     Used from the event loop thread only.
     """
 
-    load_tokens: float = 256.0
+    load_tokens: float = 64.0
     inflight: dict[str, int] = field(default_factory=dict)
     prefill: dict[str, int] = field(default_factory=dict)
     gauges: dict[str, _Gauges] = field(default_factory=dict)

@@ -90,7 +90,8 @@ class DemoConfig:
     ``concurrency`` is how many requests the load generator keeps in flight;
     ``step_s`` / ``prefill_s_per_token`` the simulated engines' timing (100 µs per prompt
     token computed: 10k tokens/s of prefill, so reuse shows in time to first token); with
-    ``dp_ranks`` > 1 every rank is its own simulated engine with its own HTTP front."""
+    ``dp_ranks`` > 1 every rank is its own simulated engine with its own HTTP front;
+    ``load_tokens`` is the service's price of a request in flight (``--load-tokens``)."""
 
     engines: int = 4
     requests: int = 320
@@ -108,6 +109,7 @@ class DemoConfig:
     record_path: str | None = None
     step_s: float = 0.002
     prefill_s_per_token: float = 1e-4
+    load_tokens: float = 64.0
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
@@ -288,6 +290,7 @@ def run_policy(
         blocks_per_chunk=engine_cfg.blocks_per_chunk,
         seed=config.seed,
         scrape_interval_s=0.25,
+        load_tokens=config.load_tokens,
     )
     n = config.engines * config.dp_ranks
     with LocalStack(
