@@ -103,14 +103,25 @@ class RankState:
         return sum(n for _, n in self._times) / _RATE_WINDOW_S
 
 
+_CONNECTED = "connected"  # source messages of subscribers that monitor their sockets
+_DISCONNECTED = "disconnected"
+
+
 class _WatchedSource:
     """A :class:`ZmqSource` that tells its :class:`RankState` when the publisher is
-    connected (ZMQ socket monitor) and when a replay was answered (end marker)."""
+    connected and when a replay was answered (end marker).
+
+    A source that monitors its own SUB socket (and reports ``connected`` /
+    ``disconnected`` messages) is followed through those; otherwise a ZMQ socket
+    monitor is attached here.  Everything else is delegated to the wrapped source.
+    """
 
     def __init__(self, inner: ZmqSource, state: RankState) -> None:
         self.inner = inner
         self.state = state
         self.monitor: zmq.Socket[bytes] | None = None
+        if getattr(inner, "monitored", False):
+            return
         sub = inner.sockets()[0]
         try:
             self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -123,6 +134,9 @@ class _WatchedSource:
             # lost: the subscriber catches every stream up by replay.
             sub.disconnect(inner.endpoint)
             sub.connect(inner.endpoint)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     @property
     def name(self) -> str:
@@ -148,13 +162,17 @@ class _WatchedSource:
         for msg in out:
             if msg.kind == REPLAY_END:
                 self.state.replay_answered = True
+            elif msg.kind == _CONNECTED:
+                self.state.connected = True
+            elif msg.kind == _DISCONNECTED:
+                self.state.connected = False
         return out
 
-    def request_replay(self, start: int) -> None:
-        self.inner.request_replay(start)
+    def request_replay(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.request_replay(*args, **kwargs)
 
-    def cancel_replay(self) -> None:
-        self.inner.cancel_replay()
+    def cancel_replay(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.cancel_replay(*args, **kwargs)
 
     def poll_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -226,6 +244,7 @@ class Fleet:
                 s.close()
             raise
         self.anomalies: Counter[str] = Counter()
+        self._wids: dict[str, tuple[str, int]] = {}
         self.unknown_batches = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -265,7 +284,9 @@ class Fleet:
         return state
 
     def worker_id(self, state: RankState) -> tuple[str, int]:
-        return (state.source, state.rank)
+        """The index's worker id of ``state``: as its batches named it (the subscriber
+        may decorate the source name, with a topic for instance), else ``(source, rank)``."""
+        return self._wids.get(state.label, (state.source, state.rank))
 
     def is_up(self, engine: str, now: float | None = None) -> bool:
         until = self.down_until.get(engine)
@@ -332,6 +353,8 @@ class Fleet:
                 with self.lock:
                     self.index.apply(item.source, item.dp_rank, batch)
                 if st is not None:
+                    if st.batches == 0:
+                        self._wids[st.label] = (item.source, item.dp_rank)
                     st.batches += 1
                     st.events += len(item.batch.events)
                     st.last_seq = max(st.last_seq, item.seq)
