@@ -156,7 +156,8 @@ class ServeApp:
         on each request, so one shared pool grows slower with every engine added."""
         self.started = time.time()
         self._tok_next = 0
-        self._summary: tuple[float, dict[Any, Any]] = (0.0, {})
+        self._summary: tuple[float, dict[Any, Any]] = (-1e9, {})
+        self._summary_cost = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
         self.requests_total = 0
         self.app = Starlette(
@@ -503,12 +504,17 @@ class ServeApp:
         return JSONResponse({"tokens": len(tokens), "ranked": [r.as_json() for r in ranked]})
 
     def _index_summary(self) -> dict[Any, Any]:
+        """Per-worker tier holdings, recomputed at most every second, and less often as
+        the index grows: the walk holds the index lock (about 0.4 µs per entry), so it
+        runs at most 5 % of the time."""
         now = time.monotonic()
         at, cached = self._summary
-        if now - at < 1.0:
+        if now - at < max(1.0, 20 * self._summary_cost):
             return cached
+        t0 = time.perf_counter()
         with self.fleet.lock:
             summary = self.fleet.index.summary()
+        self._summary_cost = time.perf_counter() - t0
         self._summary = (now, summary)
         return summary
 

@@ -89,7 +89,13 @@ def test_follow_up_goes_where_the_index_says_and_prediction_is_exact(stack: Loca
         w = {x["worker"]: x for x in c.get("/workers").json()["workers"]}[worker]
         assert w["truth"]["exact"] == 2 and w["truth"]["over"] == w["truth"]["under"] == 0
         assert w["reported_cached_tokens"] == reported and w["routed"] == 2
-        assert w["blocks"]["GPU"]["entries"] > 0 and w["state"] == "live"
+        assert w["state"] == "live"
+
+        def holds_blocks() -> bool:  # tier counts refresh at most once a second
+            ws = {x["worker"]: x for x in c.get("/workers").json()["workers"]}
+            return ws[worker]["blocks"]["GPU"]["entries"] > 0
+
+        wait_until(holds_blocks, what="the GPU tier count on /workers")
         metrics = c.get("/metrics").text
         name = worker.split(":")[0]
         assert f'kvevents_serve_predictions_total{{engine="{name}",outcome="exact"}} 2.0' in metrics
