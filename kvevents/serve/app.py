@@ -148,6 +148,8 @@ class ServeApp:
             [("subscriber", sub), ("index", self.fleet.index), ("decoder", sub.decoder)]
         )
         self.loras: set[str] = set()
+        self.engine_models: dict[str, set[str]] = {}
+        """Model ids (base models and adapters) each engine listed in ``/v1/models``."""
         self.models: dict[str, dict[str, Any]] = {}
         self.rank_stats: dict[str, _RankStats] = {st.label: _RankStats() for st in self.fleet.ranks}
         self.gauges: dict[str, dict[str, float]] = {}
@@ -255,6 +257,8 @@ class ServeApp:
             self.models.setdefault(c["id"], c)
             if c.get("parent"):
                 self.loras.add(c["id"])
+        if cards:
+            self.engine_models[name] = {c["id"] for c in cards}
         return cards
 
     # --- helpers -----------------------------------------------------------------------------
@@ -301,9 +305,14 @@ class ServeApp:
             return [int(t) for t in tokens]
         raise BadRequest("no engine could tokenise the request", 503)
 
-    def rank(self, key: RequestKey) -> list[Ranked]:
-        """The up engine ranks for ``key``, best first."""
-        return self.policy.rank(key, self._up_ranks())
+    def rank(self, key: RequestKey, model: str | None = None) -> list[Ranked]:
+        """The up engine ranks for ``key``, best first.  With ``model``, only engines
+        that list it in ``/v1/models`` are candidates, when any does (an engine whose
+        list is unknown yet stays a candidate)."""
+        ranks = self._up_ranks()
+        if model is not None and any(model in m for m in self.engine_models.values()):
+            ranks = [st for st in ranks if model in self.engine_models.get(st.engine.name, {model})]
+        return self.policy.rank(key, ranks)
 
     # --- OpenAI routes -----------------------------------------------------------------------
     async def _completions(self, request: Request) -> Response:
@@ -324,7 +333,8 @@ class ServeApp:
             return self._error(path, str(exc), exc.status)
         except ConfigError as exc:
             return self._error(path, str(exc), 400)
-        ranked = self.rank(key)
+        model = body.get("model")
+        ranked = self.rank(key, model if isinstance(model, str) else None)
         self.metrics.overhead.observe(time.perf_counter() - t0)
         if not ranked:
             return self._error(path, "no engine is available", 503)
@@ -499,7 +509,8 @@ class ServeApp:
             return self._error("/route", str(exc), exc.status)
         except ConfigError as exc:
             return self._error("/route", str(exc), 400)
-        ranked = self.rank(key)
+        model = body.get("model")
+        ranked = self.rank(key, model if isinstance(model, str) else None)
         self.metrics.requests.labels("/route", "200").inc()
         return JSONResponse({"tokens": len(tokens), "ranked": [r.as_json() for r in ranked]})
 

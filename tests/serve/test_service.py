@@ -367,3 +367,27 @@ def test_local_tokenizer_gives_the_engines_tokens(tmp_path: pytest.TempPathFacto
             assert r2.headers["x-kvevents-worker"] == r1.headers["x-kvevents-worker"]
             cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == best["gpu"] + best["cpu"] > 0
+
+
+def test_only_engines_serving_the_model_are_candidates() -> None:
+    with LocalStack(3, serve=ServeConfig(scrape_interval_s=600)) as s:
+        wait_until(lambda: ready(s.url), what="/readyz")
+        wait_until(lambda: len(s.service.engine_models) == 3, what="the engines' model lists")
+        assert s.service.engine_models["sim-0"] == {"sim-model"}
+        # as if sim-1 served another model
+        s.service.engine_models["sim-1"] = {"other-model"}
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+
+            def engines(body: dict) -> list[str]:
+                return [x["engine"] for x in c.post("/route", json=body).json()["ranked"]]
+
+            assert engines({"prompt": [1, 2, 3], "model": "other-model"}) == ["sim-1"]
+            assert sorted(engines({"prompt": [1, 2, 3], "model": "sim-model"})) == [
+                "sim-0",
+                "sim-2",
+            ]
+            # a model nobody lists: every engine (it will say so itself)
+            assert len(engines({"prompt": [1, 2, 3], "model": "nope"})) == 3
+            for _ in range(4):
+                r = c.post("/v1/completions", json={"prompt": "x y", "model": "sim-model"})
+                assert r.headers["x-kvevents-worker"] != "sim-1:0"
