@@ -45,6 +45,7 @@ class LocalStack:
         sim: SimHTTPConfig | None = None,
         start_timeout_s: float = 30.0,
         events_port: int | None = None,
+        events_host: str = "127.0.0.1",
         capture: Any = None,
     ) -> None:
         if engines < 1:
@@ -63,6 +64,7 @@ class LocalStack:
         self._serve_task: asyncio.Task[Any] | None = None
         self._start_timeout_s = start_timeout_s
         self._events_port = events_port
+        self._events_host = f"[{events_host}]" if ":" in events_host else events_host
         self._capture = capture
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
@@ -84,12 +86,12 @@ class LocalStack:
         from kvevents.serve.app import ServeApp
 
         for i in range(self.n):
-            p = self._events_port
+            p, h = self._events_port, self._events_host
             e = SimHTTPEngine(
                 f"sim-{i}",
                 self.sim_config,
-                events=f"tcp://*:{p + i}" if p else "tcp://*:0",
-                replay=f"tcp://*:{p + 100 + i}" if p else "tcp://*:0",
+                events=f"tcp://{h}:{p + i}" if p else f"tcp://{h}:0",
+                replay=f"tcp://{h}:{p + 100 + i}" if p else f"tcp://{h}:0",
             )
             self.engines.append(e)
             await e.start()

@@ -224,6 +224,10 @@ class _DemoWorker:
         self.engine = engine.engine
         self.endpoint = engine.events_endpoint
         self.replay_endpoint = engine.replay_endpoint
+        self.engine_endpoint: str = engine.publisher.endpoint
+        """The address the engine's publisher is bound to (``endpoint`` is where to
+        connect: a wildcard bind reads as loopback there)."""
+        self.engine_replay_endpoint: str | None = engine.publisher.replay_endpoint
         self.url = engine.url
 
 
@@ -235,12 +239,14 @@ class _DemoFleet:
         self.workers = [_DemoWorker(e) for e in stack.engines]
 
 
-def _engine_port(bind: str) -> int | None:
-    """The fixed PUB port asked for in ``bind`` (``tcp://*:P``), or None for free ports."""
-    _head, sep, port = bind.rpartition(":")
+def _engine_host_port(bind: str) -> tuple[str, int | None]:
+    """The host and fixed PUB port asked for in ``bind`` (``tcp://HOST:P``; port 0: free
+    ports)."""
+    head, sep, port = bind.rpartition(":")
     if not bind.startswith("tcp://") or not sep or not port.isdigit():
-        raise ConfigError(f"the demo's endpoint must be tcp://*:PORT, got {bind!r}")
-    return int(port) or None
+        raise ConfigError(f"the demo's endpoint must be tcp://HOST:PORT, got {bind!r}")
+    host = head[len("tcp://") :].strip("[]")
+    return ("*" if host in ("", "*") else host), (int(port) or None)
 
 
 def _wait_ready(url: str, timeout_s: float) -> bool:
@@ -293,8 +299,14 @@ def run_policy(
         load_tokens=config.load_tokens,
     )
     n = config.engines * config.dp_ranks
+    events_host, events_port = _engine_host_port(config.bind)
     with LocalStack(
-        n, serve=serve, sim=sim, events_port=_engine_port(config.bind), capture=capture
+        n,
+        serve=serve,
+        sim=sim,
+        events_port=events_port,
+        events_host=events_host,
+        capture=capture,
     ) as stack:
         if on_start is not None:
             on_start(policy, _DemoFleet(stack))

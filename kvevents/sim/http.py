@@ -102,8 +102,8 @@ class _Pending:
 class SimHTTPEngine:
     """One simulated engine with an OpenAI-compatible HTTP front and a publisher.
 
-    ``events`` / ``replay`` are the publisher's bind endpoints (``tcp://*:0`` for a free
-    port; a PUB endpoint binds only with a wildcard host, vLLM's rule).  ``dp_rank`` makes
+    ``events`` / ``replay`` are the publisher's endpoints, always bound (``tcp://*:0``
+    for a free port on every interface, ``tcp://127.0.0.1:0`` on loopback only).  ``dp_rank`` makes
     it data-parallel rank r of an engine: its batches say so and its endpoints are moved up
     by r (vLLM's offset rule), as vLLM's rank r would publish.  Start it with :meth:`start` inside a running event loop; the
     actual endpoints are then :attr:`events_endpoint`, :attr:`replay_endpoint` and
@@ -134,6 +134,7 @@ class SimHTTPEngine:
             replay_endpoint=replay,
             buffer_steps=self.config.buffer_steps,
             topic=topic,
+            bind=True,  # an engine's publisher listens, whatever its host
         )
         self.events_endpoint = loopback_endpoint(self.publisher.endpoint)
         rep = self.publisher.replay_endpoint
@@ -631,17 +632,18 @@ async def run_sim_fleet(
     engines: list[SimHTTPEngine] = []
     try:
         for i in range(n):
-            # vLLM's rule: a PUB endpoint binds only with a wildcard host
-            ev = f"tcp://*:{events_base + 2 * i}" if events_base is not None else None
-            rep = f"tcp://*:{events_base + 2 * i + 1}" if events_base is not None else None
+            # the publishers listen on the HTTP host too (loopback by default)
+            eh = f"[{host}]" if ":" in host else host
+            ev = f"tcp://{eh}:{events_base + 2 * i}" if events_base is not None else None
+            rep = f"tcp://{eh}:{events_base + 2 * i + 1}" if events_base is not None else None
             engines.append(
                 SimHTTPEngine(
                     f"sim-{i}",
                     config,
                     host=host,
                     http_port=http_base + i if http_base is not None else 0,
-                    events=ev or "tcp://*:0",
-                    replay=rep or "tcp://*:0",
+                    events=ev or f"tcp://{eh}:0",
+                    replay=rep or f"tcp://{eh}:0",
                 )
             )
         for e in engines:

@@ -87,8 +87,8 @@ def bound_endpoints(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         start = kw.pop("on_start")
 
         def on_start(policy: str, cluster: Any) -> None:
-            seen.extend(w.publisher.endpoint for w in cluster.workers)
-            seen.extend(w.publisher.replay_endpoint for w in cluster.workers)
+            seen.extend(w.engine_endpoint for w in cluster.workers)
+            seen.extend(w.engine_replay_endpoint for w in cluster.workers)
             start(policy, cluster)
 
         return real(config, on_start=on_start, **kw)
