@@ -49,7 +49,6 @@ def test_the_gpu_only_router_sees_no_cpu_tier(quick_report: DemoReport) -> None:
     # its index was fed GPU events only; the engines still have (and use) a CPU tier
     assert all(tiers["CPU"][0] == 0 for tiers in gpu.index_holdings.values())
     assert any(tiers["CPU"][0] > 0 for tiers in kv.index_holdings.values())
-    assert gpu.cpu_hit_tokens > 0
 
 
 def test_the_demo_command_prints_the_comparison_and_writes_a_png(
