@@ -1291,6 +1291,22 @@ class BlockIndex:
         """Resident (worker, group, hash) entries (held on at least one tier)."""
         return self._resident
 
+    @property
+    def retained_count(self) -> int:
+        """Metadata records kept for GPU-removed blocks no tier holds (for late joins)."""
+        return len(self._retired)
+
+    def gauges(self) -> dict[str, int]:
+        """Current sizes, for metrics: ``resident_entries`` (``len(index)``),
+        ``pending_joins`` (placeholder entries waiting for their GPU store) and
+        ``retained_metadata`` (:attr:`retained_count`).  Reads only plain ints and
+        ``len()``, so it may be called from another thread (a metrics scrape)."""
+        return {
+            "resident_entries": self._resident,
+            "pending_joins": len(self._pending),
+            "retained_metadata": len(self._retired),
+        }
+
     def __len__(self) -> int:
         return self._resident
 
