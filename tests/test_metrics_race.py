@@ -125,11 +125,17 @@ def test_subscriber_gauges_show_stale_workers_and_replay_lag() -> None:
             # seq 1 never arrives live: 2..4 wait behind the replay the publisher holds
             pub.publish_many([make_batch(i) for i in range(1, 5)], skip=[1])
             drain(sub, lambda items: any(getattr(x, "kind", "") == "gap" for x in items))
-            wait_until(lambda: (sub.receive(0.01), sub.gauges()["replay_lag_batches"] == 3)[1])
+            wait_until(
+                lambda: (sub.receive(0.01), sub.gauges()["replay_lag_batches"] == 3)[1], timeout=20
+            )
             g = sub.gauges(now=last + 7.0)
             assert g["replays_in_flight"] == 1 and g["replay_lag_seconds"] == pytest.approx(7.0)
             pub.release.set()
             drain(sub, lambda items: sum(isinstance(x, ReceivedBatch) for x in items) >= 4)
+            # the replay ends with its end marker, which may come after the last batch
+            wait_until(
+                lambda: (sub.receive(0.01), sub.gauges()["replays_in_flight"] == 0)[1], timeout=20
+            )
             g = sub.gauges()
             assert g["replay_lag_batches"] == 0 and g["replays_in_flight"] == 0
             assert g["replay_lag_seconds"] == 0
