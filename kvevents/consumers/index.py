@@ -1327,6 +1327,7 @@ class BlockIndex:
         goal = self.max_blocks - max(1, self.max_blocks // 100) + 1
         ready = self._ready
         qg, qh = self._qgroups, self._qhashes
+        slots = self._slots
         head = self._qhead
         end = len(qh)
         try:
@@ -1338,18 +1339,27 @@ class BlockIndex:
                     if not self._held(gs, h):
                         del gs.deferred[h]
                         continue
-                    self._drop(gs, h)
+                    self._drop(gs, h, gs.meta.get(h))
                     continue
                 if head < end:
                     gs = qg[head]
                     h = qh[head]
                     head += 1
-                    if not self._live(gs) or not self._held(gs, h) or h in gs.deferred:
+                    t = slots.get(gs.slot)
+                    if t is None or t[1] is not gs:
+                        continue  # a removed worker's
+                    m = gs.meta.get(h)
+                    if type(m) is int:
+                        if m < _G1 and h not in gs.refs[1] and h not in gs.refs[2]:
+                            continue  # not resident any more
+                    elif not self._held(gs, h):
                         continue
-                    if gs.kids.get(h):
+                    if gs.kids and h in gs.kids:
                         gs.deferred[h] = None
                         continue
-                    self._drop(gs, h)
+                    if gs.deferred and h in gs.deferred:
+                        continue
+                    self._drop(gs, h, m)
                     continue
                 if self._storing or not self._evict_deferred(goal):
                     break
@@ -1370,26 +1380,50 @@ class BlockIndex:
                     return True
                 del gs.deferred[h]
                 if self._held(gs, h):
-                    self._drop(gs, h)
+                    self._drop(gs, h, gs.meta.get(h))
                     evicted = True
         return evicted
 
-    def _drop(self, gs: _Group, h: Hash) -> None:
-        """Evict the resident entry ``h`` of ``gs`` whole."""
-        m = gs.meta.pop(h, None)
-        ck = _ck(m) if m is not None else None
-        if ck is not None and m is not None and _gpu(m) > 0:
-            _unmark(self._marks[0], ck, gs.bit)
-        for tier in (1, 2):
-            if gs.refs[tier].pop(h, None) is not None and ck is not None:
-                _unmark(self._marks[tier], ck, gs.bit)
-        gs.deferred.pop(h, None)
+    def _drop(self, gs: _Group, h: Hash, m: _Meta | None) -> None:
+        """Evict the resident entry ``h`` of ``gs`` (``m`` is its record) whole."""
+        p: Hash | None
+        if type(m) is int:
+            del gs.meta[h]
+            ck = (m & _M64) - _OFF if m & _HAS_CK else None
+            on_gpu = m >= _G1
+            pf = (m >> 105) & _M65
+            p = pf - 1 if pf else None
+        elif m is not None:
+            del gs.meta[h]
+            ck, on_gpu, p = _ck(m), _gpu(m) > 0, _parent(m)
+        else:
+            ck, on_gpu, p = None, False, None
+        bit = gs.bit
+        r = gs.refs
+        if ck is not None:
+            if on_gpu:
+                _unmark(self._marks[0], ck, bit)
+            if r[1] and r[1].pop(h, None) is not None:
+                _unmark(self._marks[1], ck, bit)
+            if r[2] and r[2].pop(h, None) is not None:
+                _unmark(self._marks[2], ck, bit)
+        else:
+            r[1].pop(h, None)
+            r[2].pop(h, None)
+        if gs.deferred:
+            gs.deferred.pop(h, None)
         self._resident -= 1
         self.stats.evicted_by_cap += 1
-        if m is not None:
-            p = _parent(m)
-            if p is not None:
-                self._unkid(gs, p)
+        if p is not None:
+            kids = gs.kids
+            c = kids.get(p)
+            if c is not None:
+                if c > 1:
+                    kids[p] = c - 1
+                else:
+                    del kids[p]
+                    if p in gs.deferred:
+                        self._ready.append((gs, p))
 
     def _compact_queue(self) -> None:
         """Rewrite the eviction queue without the items it would skip (entries no longer
