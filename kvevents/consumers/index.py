@@ -28,7 +28,9 @@ Model
 * Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries (see
   :meth:`BlockIndex._evict` for the order: oldest first, leaves before their parents,
   decided by the stream alone), at most ``gpu_metadata_retention`` metadata records no
-  tier holds, and at most ``max_pending`` waiting placeholders.
+  tier holds, and at most ``max_pending`` waiting placeholders.  The bookkeeping the
+  eviction order needs (resident children per entry, the eviction queue: about 60 bytes
+  per resident entry) starts when more than half of ``max_blocks`` is first resident.
 
 Caveat: stores are refcounted as DESIGN §4 asks, so a GPU re-announcement of prefix hits
 (``kv_cache_report_mode="full"``, C§4.3) followed by the block's single removal leaves
@@ -459,6 +461,10 @@ class BlockIndex:
         self._qlimit = 1 << 16
         self._ready: deque[tuple[_Group, Hash]] = deque()
         self._storing = False  # a GPU store is being applied (its blocks are not queued yet)
+        # The eviction bookkeeping (children counts, queue) starts once more than half the
+        # cap is resident (_watch_hit), so an index far from its cap pays nothing for it.
+        self._tracking = False
+        self._watch = max_blocks // 2
 
     # ------------------------------------------------------------------ feeding
 
@@ -527,7 +533,7 @@ class BlockIndex:
                                 if gs.deferred:
                                     gs.deferred.pop(h, None)
                                 p = (m >> 105) & _M65
-                                if p:  # its parent has one resident child fewer
+                                if p and gs.kids:  # its parent has one resident child fewer
                                     kids = gs.kids
                                     p -= 1
                                     c = kids.get(p)
@@ -592,9 +598,10 @@ class BlockIndex:
                                 self._resident += 1
                                 if retired:
                                     retired.pop((wid, group, h), None)
-                                self._enter(gs, h, m)
-                                if self._resident > self.max_blocks:
-                                    self._evict()
+                                if self._tracking:
+                                    self._enter(gs, h, m)
+                                if self._resident > self._watch:
+                                    self._watch_hit()
                                 continue
                 if gpu_removed:
                     stats.removed[MEDIUM_GPU] += gpu_removed
@@ -818,7 +825,8 @@ class BlockIndex:
             end_field = ((pend // size + 1) << 65) if pend is not None else 0
             parent_field = ((parent + 1) << 105) if parent is not None else 0
             resident = self._resident
-            max_blocks = self.max_blocks
+            watch = self._watch
+            tracking = self._tracking
             setdefault = meta.setdefault
             kids = gs.kids
             kids_get = kids.get
@@ -854,12 +862,14 @@ class BlockIndex:
                         stats.skipped["unknown_parent"] += 1
                     if h not in r1 and h not in r2:
                         resident += 1
-                        if parent is not None:
+                        if tracking and parent is not None:
                             kids[parent] = kids_get(parent, 0) + 1
-                        if resident > max_blocks:
+                        if resident > watch:
                             self._resident = resident
-                            self._evict()
+                            self._watch_hit()
                             resident = self._resident
+                            watch = self._watch
+                            tracking = True
                     pk = k
                     parent_field = (h + 1) << 105
                     parent = h
@@ -1099,15 +1109,16 @@ class BlockIndex:
         self._resident += 1
         if self._retired:
             self._retired.pop((w.wid, gs.group, h), None)
-        m = gs.meta.get(h)
-        if tier:
-            self._enter(gs, h, m)
-        elif m is not None:  # (a GPU store: _store_described queues the event's blocks)
-            p = _parent(m)
-            if p is not None:
-                gs.kids[p] = gs.kids.get(p, 0) + 1
-        if self._resident > self.max_blocks:
-            self._evict()
+        if self._tracking:
+            m = gs.meta.get(h)
+            if tier:
+                self._enter(gs, h, m)
+            elif m is not None:  # (a GPU store: _store_described queues the event's blocks)
+                p = _parent(m)
+                if p is not None:
+                    gs.kids[p] = gs.kids.get(p, 0) + 1
+        if self._resident > self._watch:
+            self._watch_hit()
 
     def _remove(self, w: _Worker, group: int, hashes: Iterable[Hash], tier: int) -> None:
         gs = w.groups.get(group)
@@ -1165,7 +1176,7 @@ class BlockIndex:
                         if gs.deferred:
                             gs.deferred.pop(h, None)
                         p = (m >> 105) & _M65
-                        if p:
+                        if p and gs.kids:
                             self._unkid(gs, p - 1)
                         retired[(wid, group, h)] = None
                         if len(retired) > self.gpu_metadata_retention:
@@ -1269,12 +1280,45 @@ class BlockIndex:
         together, so each block goes before its parent), then enforce the cap (blocks
         of an event being applied are not queued yet, so the cap is checked again)."""
         self._storing = False
-        self._qhashes.extend(reversed(hashes))
-        self._qgroups.extend(repeat(gs, len(hashes)))
-        if len(self._qhashes) > self._qlimit:
-            self._compact_queue()
+        if self._tracking:
+            self._qhashes.extend(reversed(hashes))
+            self._qgroups.extend(repeat(gs, len(hashes)))
+            if len(self._qhashes) > self._qlimit:
+                self._compact_queue()
+        if self._resident > self._watch:
+            self._watch_hit()
+
+    def _watch_hit(self) -> None:
+        """More entries are resident than ``_watch``: start the eviction bookkeeping
+        (first time: more than half the cap) and evict if over the cap."""
+        if not self._tracking:
+            self._start_tracking()
         if self._resident > self.max_blocks:
             self._evict()
+
+    def _start_tracking(self) -> None:
+        """Build the children counts and the eviction queue from the index as it is (each
+        group's resident entries in record order, groups in slot order); from now on the
+        feeding code keeps them up to date."""
+        self._tracking = True
+        self._watch = self.max_blocks
+        qg, qh = self._qgroups, self._qhashes
+        for slot in sorted(self._slots):
+            gs = self._slots[slot][1]
+            kids = gs.kids
+            r1, r2 = gs.refs[1], gs.refs[2]
+            for h, m in gs.meta.items():
+                if _gpu(m) > 0 or h in r1 or h in r2:
+                    p = _parent(m)
+                    if p is not None:
+                        kids[p] = kids.get(p, 0) + 1
+                    qg.append(gs)
+                    qh.append(h)
+            for h in [*r1, *(h for h in r2 if h not in r1)]:
+                if h not in gs.meta:  # (held on CPU/STORAGE without a record)
+                    qg.append(gs)
+                    qh.append(h)
+        self._qlimit = max(1 << 16, 4 * len(qh))
 
     def _unkid(self, gs: _Group, p: Hash) -> None:
         """A resident entry whose parent is ``p`` stopped being resident."""
@@ -1292,6 +1336,8 @@ class BlockIndex:
     def _reparent(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
         """``h``'s record is replaced (an orphan healed): if it is resident, it is now a
         child of the new record's parent."""
+        if not self._tracking:
+            return
         po, pn = _parent(old), _parent(new)
         if po != pn and self._held(gs, h):
             if po is not None:
