@@ -125,7 +125,7 @@ def run_one(kind: str, capped: bool, total: int, cap: int, retention: int) -> di
     index = (
         BlockIndex(blocks_per_chunk=BPC, max_blocks=cap, gpu_metadata_retention=retention)
         if capped
-        else BlockIndex(blocks_per_chunk=BPC, max_blocks=1 << 40, gpu_metadata_retention=1 << 40)
+        else BlockIndex(blocks_per_chunk=BPC, max_blocks=1 << 40, gpu_metadata_retention=retention)
     )
     loads = [Workload(kind, seed) for seed in range(WORKERS)]
     for w, load in enumerate(loads):

@@ -1245,9 +1245,19 @@ class BlockIndex:
             ogs = ow.groups.get(ogroup) if ow is not None else None
             if ogs is None:
                 continue
-            if oh in ogs.meta and not self._held(ogs, oh):
-                del ogs.meta[oh]
-                self.stats.metadata_evicted += 1
+            m = ogs.meta.get(oh)
+            if m is None:
+                continue
+            if type(m) is int:
+                if m >= _G1:
+                    continue
+            elif _gpu(m) > 0:
+                continue
+            r = ogs.refs
+            if oh in r[1] or oh in r[2]:
+                continue
+            del ogs.meta[oh]
+            self.stats.metadata_evicted += 1
 
     def _rekey(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
         self._reparent(gs, h, old, new)
@@ -1475,19 +1485,34 @@ class BlockIndex:
         """Rewrite the eviction queue without the items it would skip (entries no longer
         resident, deferred or of removed workers) and without repeats (an entry keeps its
         first place), so that it stays proportional to the resident entries."""
-        seen: set[tuple[int, Hash]] = set()
+        seen: dict[int, set[Hash]] = {}  # by slot: hashes already kept
         ng: list[_Group] = []
         nh: list[Hash] = []
         qg, qh = self._qgroups, self._qhashes
+        slots = self._slots
+        last: _Group | None = None
+        ok = False
+        kept: set[Hash] = set()
         for i in range(self._qhead, len(qh)):
             gs = qg[i]
+            if gs is not last:  # runs of one group are the common case
+                last = gs
+                t = slots.get(gs.slot)
+                ok = t is not None and t[1] is gs
+                meta, r1, r2, deferred = gs.meta, gs.refs[1], gs.refs[2], gs.deferred
+                kept = seen.setdefault(gs.slot, set())
+            if not ok:
+                continue
             h = qh[i]
-            if not self._live(gs) or h in gs.deferred or not self._held(gs, h):
+            m = meta.get(h)
+            if type(m) is int:
+                if m < _G1 and h not in r1 and h not in r2:
+                    continue
+            elif not ((m is not None and _gpu(m) > 0) or h in r1 or h in r2):
                 continue
-            key = (gs.slot, h)
-            if key in seen:
+            if h in kept or h in deferred:
                 continue
-            seen.add(key)
+            kept.add(h)
             ng.append(gs)
             nh.append(h)
         self._qgroups, self._qhashes, self._qhead = ng, nh, 0
