@@ -564,6 +564,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from kvevents.jetstream.cli import run_relay
+
+    stop = threading.Event()
+    with _stop_on_signals(stop):
+        return run_relay(args, stop)
+
+
 # --- parser ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -733,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_demo)
+
+    from kvevents.jetstream.cli import add_relay_parser
+
+    add_relay_parser(sub).set_defaults(func=_cmd_relay)
     return parser
 
 
