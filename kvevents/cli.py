@@ -116,12 +116,19 @@ def _cmd_record(args: argparse.Namespace) -> int:
     gaps: Counter[str] = Counter()
     start = time.monotonic()
     deadline = start + args.duration if args.duration is not None else None
-    sub = Subscriber(
-        args.endpoints,
-        topic=args.topic.encode("utf-8"),
-        replay_endpoints=replay,
-        replay_from_start=args.from_start,
-    )
+    from kvevents.jetstream.cli import is_nats_url, open_jetstream_subscriber
+
+    sub: Any
+    if any(is_nats_url(e) for e in args.endpoints):
+        sub = open_jetstream_subscriber(list(args.endpoints), args.stream)
+        meta["stream"] = args.stream
+    else:
+        sub = Subscriber(
+            args.endpoints,
+            topic=args.topic.encode("utf-8"),
+            replay_endpoints=replay,
+            replay_from_start=args.from_start,
+        )
     try:
         with (
             CaptureWriter(args.output, meta=meta, append=args.append) as writer,
@@ -220,6 +227,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError("replay needs exactly one of --into-index or --publish ENDPOINT")
     if args.into_index:
         return _replay_into_index(args)
+    from kvevents.jetstream.cli import is_nats_url, publish_capture
+
+    if any(is_nats_url(t) for t in args.publish):
+        if len(args.publish) != 1:
+            raise ConfigError("--publish nats://URL takes one URL (the stream holds every engine)")
+        appended, dups = publish_capture(args.file, args.publish[0], args.stream, args.source)
+        print(
+            f"appended {appended} batches to {args.stream} at {args.publish[0]} "
+            f"({dups} already stored)",
+            file=sys.stderr,
+        )
+        return 0
     return _replay_publish(args)
 
 
@@ -603,6 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to read when ENDPOINT is nats://HOST:PORT (default KV_EVENTS)",
+    )
+    p.add_argument(
         "--from-start",
         action="store_true",
         help="fetch each publisher's buffered history from seq 0 when first seen",
@@ -658,6 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay ROUTER endpoint, once per --publish",
     )
     p.add_argument("--source", help="republish only this recorded publisher")
+    p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to append to when --publish is nats://HOST:PORT",
+    )
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
     pace.add_argument("--max-rate", action="store_true", help="as fast as possible")

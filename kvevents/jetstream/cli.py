@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import threading
 import time
@@ -12,7 +13,104 @@ from kvevents.engines import parse_engine_spec
 from kvevents.errors import ConfigError
 from kvevents.jetstream.naming import DEFAULT_STREAM
 
-__all__ = ["add_relay_parser", "run_relay"]
+__all__ = [
+    "add_relay_parser",
+    "is_nats_url",
+    "open_jetstream_subscriber",
+    "publish_capture",
+    "run_relay",
+]
+
+
+def is_nats_url(text: str) -> bool:
+    """True for ``nats://`` (and ``tls://``) server URLs."""
+    return text.startswith(("nats://", "tls://"))
+
+
+def open_jetstream_subscriber(urls: list[str], stream: str) -> object:
+    """A :class:`~kvevents.jetstream.JetStreamSubscriber` for ``kvevents record nats://...``."""
+    if len(urls) != 1:
+        raise ConfigError(
+            "record from JetStream takes one nats:// URL (the stream holds every engine)"
+        )
+    try:
+        import nats  # noqa: F401
+    except ImportError:
+        raise ConfigError("reading JetStream needs nats-py: pip install 'kvevents[nats]'") from None
+    from kvevents.jetstream.reader import JetStreamSubscriber
+
+    return JetStreamSubscriber(urls[0], stream)
+
+
+def _engine_name(source: str) -> str:
+    """A capture's source as a NATS subject token (``tcp://h:5557`` → ``tcp___h_5557``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", source) or "engine"
+
+
+def publish_capture(
+    path: str, url: str, stream: str, only_source: str | None = None
+) -> tuple[int, int]:
+    """Append the batches of capture ``path`` to JetStream stream ``stream`` at ``url``,
+    as the relay would have: raw payloads, headers, epochs (a seq that goes back in the
+    capture starts a new epoch) and message ids.  Returns ``(appended, duplicates)``."""
+    try:
+        import nats  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "publishing to JetStream needs nats-py: pip install 'kvevents[nats]'"
+        ) from None
+    from kvevents.capture import CaptureReader
+    from kvevents.codec import decode_batch
+    from kvevents.errors import DecodeError
+    from kvevents.jetstream.loop import LoopThread
+    from kvevents.jetstream.naming import BatchHeaders, subject_for
+    from kvevents.jetstream.relay import ensure_stream
+
+    last: dict[tuple[str, int], tuple[int, int]] = {}
+    msgs: list[tuple[str, bytes, dict[str, str]]] = []
+    with CaptureReader(path) as reader:
+        for rec in reader:
+            if rec.seq < 0 or (only_source is not None and rec.source != only_source):
+                continue
+            try:
+                rank = decode_batch(rec.payload).data_parallel_rank or 0
+            except DecodeError:
+                continue
+            name = _engine_name(rec.source)
+            epoch, prev = last.get((name, rank), (0, -1))
+            if rec.seq == prev:
+                continue  # a recorded duplicate (replay overlap)
+            if rec.seq < prev:
+                epoch += 1
+            last[(name, rank)] = (epoch, rec.seq)
+            h = BatchHeaders(name, rec.topic, rank, rec.seq, epoch)
+            msgs.append((subject_for(name, rank), rec.payload, h.to_nats()))
+
+    async def send() -> tuple[int, int]:
+        import nats as nats_mod
+
+        nc = await nats_mod.connect(url, connect_timeout=5)
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, stream)
+            appended = dups = 0
+            for i in range(0, len(msgs), 512):
+                futs = [await js.publish_async(s, p, headers=h) for s, p, h in msgs[i : i + 512]]
+                for f in futs:
+                    ack = await f
+                    if getattr(ack, "duplicate", False):
+                        dups += 1
+                    else:
+                        appended += 1
+            return appended, dups
+        finally:
+            await nc.close()
+
+    loop = LoopThread("kvevents-replay-jetstream")
+    try:
+        return loop.run(send())
+    finally:
+        loop.close()
 
 
 def add_relay_parser(

@@ -91,6 +91,7 @@ class JetStreamStats:
     messages: int = 0
     batches: int = 0
     events: int = 0
+    replayed_batches: int = 0  # always 0: a stream has no replay; kept for Subscriber parity
     lost_batches: int = 0
     anomalies: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
