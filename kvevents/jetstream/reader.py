@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -54,6 +54,8 @@ BAD_HEADERS = "bad_headers"
 
 WorkerKey = tuple[str, int]
 Item = ReceivedBatch | Anomaly
+Mark = tuple[int, "WorkerKey | None", "tuple[int, int] | None"]
+"""What handing an item out moves a reader's position to: ``(stream_seq, worker, (epoch, seq))``."""
 
 
 @dataclass
@@ -67,6 +69,16 @@ class StreamPosition:
 
     stream_seq: int = 0
     workers: dict[WorkerKey, tuple[int, int]] = field(default_factory=dict)
+
+    def copy(self) -> StreamPosition:
+        return StreamPosition(self.stream_seq, dict(self.workers))
+
+    def advance(self, mark: Mark) -> None:
+        """Move to ``mark`` (the position after one handed-out item)."""
+        stream_seq, key, value = mark
+        self.stream_seq = max(self.stream_seq, stream_seq)
+        if key is not None and value is not None:
+            self.workers[key] = value
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,18 +194,20 @@ class AsyncJetStreamSubscriber:
         self.subjects = subjects
         self.decoder = decoder if decoder is not None else BatchDecoder()
         self.stats = JetStreamStats()
-        self.tracker = HeaderTracker(position)
+        self.tracker = HeaderTracker(position.copy() if position is not None else None)
+        self._delivered = position.copy() if position is not None else StreamPosition()
         self._start_seq = start_seq if position is None else position.stream_seq + 1
         self._connect_timeout_s = connect_timeout_s
         self._idle_heartbeat_s = idle_heartbeat_s
         self._nc: Any = None
         self._sub: Any = None
-        self._out: list[Item] = []
+        self._out: deque[tuple[Item, Mark]] = deque()
 
     @property
     def position(self) -> StreamPosition:
-        """What this reader has processed (copy it before storing it elsewhere)."""
-        return self.tracker.position
+        """The position after the last item handed out: store it with a snapshot of an
+        index that has applied every item so far (a copy: it moves on)."""
+        return self._delivered.copy()
 
     async def start(self) -> AsyncJetStreamSubscriber:
         """Connect and create the ordered consumer (idempotent)."""
@@ -241,11 +255,13 @@ class AsyncJetStreamSubscriber:
             h = BatchHeaders.from_nats(msg.headers)
         except ConfigError as exc:
             self.stats.dropped[BAD_HEADERS] += 1
-            self._report(Anomaly(BAD_HEADERS, self.stream, None, detail=f"#{stream_seq}: {exc}"))
+            bad = Anomaly(BAD_HEADERS, self.stream, None, detail=f"#{stream_seq}: {exc}")
+            self._report(bad, (stream_seq, None, None))
             return
         anomalies, drop = self.tracker.observe(h)
+        mark: Mark = (stream_seq, (h.source, h.rank), (h.epoch, h.seq))
         for a in anomalies:
-            self._report(a)
+            self._report(a, mark)
         if drop is not None:
             self.stats.dropped[drop] += 1
             return
@@ -253,31 +269,43 @@ class AsyncJetStreamSubscriber:
             batch = self.decoder.decode(msg.data)
         except DecodeError as exc:
             self.stats.dropped[UNDECODABLE] += 1
-            self._report(Anomaly(UNDECODABLE, h.source, h.rank, h.seq, h.seq, str(exc)))
+            self._report(Anomaly(UNDECODABLE, h.source, h.rank, h.seq, h.seq, str(exc)), mark)
             return
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         self._out.append(
-            ReceivedBatch(
-                source=h.source,
-                dp_rank=h.rank,
-                seq=h.seq,
-                batch=batch,
-                replayed=False,
-                topic=h.topic,
-                payload=bytes(msg.data),
-                recv_ts=time.time(),
+            (
+                ReceivedBatch(
+                    source=h.source,
+                    dp_rank=h.rank,
+                    seq=h.seq,
+                    batch=batch,
+                    replayed=False,
+                    topic=h.topic,
+                    payload=bytes(msg.data),
+                    recv_ts=time.time(),
+                ),
+                mark,
             )
         )
 
-    def _report(self, a: Anomaly) -> None:
+    def _report(self, a: Anomaly, mark: Mark) -> None:
         self.stats.anomalies[a.kind] += 1
         if a.kind == UNRECOVERABLE_LOSS:
             self.stats.lost_batches += a.seq_count
-        self._out.append(a)
+        self._out.append((a, mark))
 
     async def receive(self, timeout: float | None = None) -> Item | None:
         """The next batch or anomaly, or ``None`` if nothing arrived within ``timeout`` s."""
+        got = await self.next_marked(timeout)
+        if got is None:
+            return None
+        self._delivered.advance(got[1])
+        return got[0]
+
+    async def next_marked(self, timeout: float | None = None) -> tuple[Item, Mark] | None:
+        """:meth:`receive` with the position mark of the item, for wrappers that hand
+        items out later (the blocking :class:`JetStreamSubscriber`)."""
         await self.start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._out:
@@ -293,7 +321,7 @@ class AsyncJetStreamSubscriber:
                     continue
                 raise
             self._handle(msg)
-        return self._out.pop(0)
+        return self._out.popleft()
 
     def __aiter__(self) -> AsyncJetStreamSubscriber:
         return self
@@ -338,7 +366,10 @@ class JetStreamSubscriber:
     ) -> None:
         self._reader = AsyncJetStreamSubscriber(url, stream, **kwargs)
         self._loop = LoopThread("kvevents-jetstream-reader")
-        self._queue: queue.Queue[Item | BaseException] = queue.Queue(maxsize=max_buffered)
+        self._queue: queue.Queue[tuple[Item, Mark] | BaseException] = queue.Queue(
+            maxsize=max_buffered
+        )
+        self._position = self._reader.position
         self._stop = threading.Event()
         try:
             self._loop.run(self._reader.start(), timeout=kwargs.get("connect_timeout_s", 5.0) + 5)
@@ -354,13 +385,19 @@ class JetStreamSubscriber:
 
     @property
     def position(self) -> StreamPosition:
-        """The position of the last item handed out is at most this (read after draining)."""
-        return self._reader.position
+        """The position after the last item handed out (a copy); see
+        :attr:`AsyncJetStreamSubscriber.position`."""
+        return self._position.copy()
+
+    @property
+    def pending(self) -> int:
+        """Items read from the stream and not handed out yet."""
+        return self._queue.qsize()
 
     async def _pump(self) -> None:
         try:
             while not self._stop.is_set():
-                item = await self._reader.receive(timeout=0.2)
+                item = await self._reader.next_marked(timeout=0.2)
                 if item is None:
                     continue
                 while not self._stop.is_set():
@@ -385,7 +422,9 @@ class JetStreamSubscriber:
             if isinstance(got, KVEventsError):
                 raise got
             raise ConfigError(f"JetStream reader failed: {got}") from got
-        return got
+        item, mark = got
+        self._position.advance(mark)
+        return item
 
     def __iter__(self) -> JetStreamSubscriber:
         return self
