@@ -39,6 +39,7 @@ from kvevents.errors import (
     EncodeError,
     FrameError,
     KVEventsError,
+    MissingDependencyError,
     OffloadError,
     PublisherClosedError,
 )
@@ -55,6 +56,7 @@ from kvevents.events import (
     KVEvent,
     KVEventBatch,
 )
+from kvevents.request import MMFeature, RequestKey
 
 __version__ = "0.1.0"
 
@@ -84,9 +86,12 @@ __all__ = [
     "KVEventBatch",
     "KVEventsError",
     "LiveMessage",
+    "MMFeature",
+    "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
     "ReplayReply",
+    "RequestKey",
     "WireShape",
     "__version__",
     "decode_batch",

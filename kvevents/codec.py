@@ -8,7 +8,9 @@
   bytes hashes, and map-shaped batches (``{"ts", "events", rank}``) from other producers.
   An event with an unknown ``type`` tag is skipped and counted; the rest of the batch is
   kept (C§9.3).  Anything else raises :class:`~kvevents.errors.DecodeError`, and no other
-  exception type escapes.
+  exception type escapes, whatever the payload's size or nesting depth: a payload nested
+  deeper than Python's recursion limit lets msgspec walk (about 1,000 levels by default;
+  :data:`MAX_NESTING_DEPTH` when the process raised that limit) is a ``DecodeError``.
 * Frame helpers build and parse the live message ``[topic, seq, payload]`` and the
   replay request/reply of C§2.1–2.2.
 
@@ -19,10 +21,11 @@ no tolerance tax.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import msgspec
 
@@ -39,6 +42,7 @@ from kvevents.events import (
 
 __all__ = [
     "END_SEQ",
+    "MAX_NESTING_DEPTH",
     "BatchDecoder",
     "DecodeStats",
     "LiveMessage",
@@ -60,6 +64,17 @@ __all__ = [
 
 END_SEQ: bytes = b"\xff" * 8
 """The seq frame of the replay end marker: ``(-1).to_bytes(8, "big", signed=True)``."""
+
+MAX_NESTING_DEPTH = 1000
+"""Deepest container nesting decoded when the process raised Python's recursion limit.
+
+msgspec walks nested containers recursively and stops at Python's recursion limit with a
+``RecursionError`` (turned into :class:`~kvevents.errors.DecodeError`).  With a limit
+raised above 4,000 that stop could come only after the C stack overflows, so the
+decoder then checks the payload's nesting against this bound before decoding."""
+
+_TRUSTED_RECURSION_LIMIT = 4000
+"""Recursion limits up to this keep msgspec's recursion well inside a thread's C stack."""
 
 _EVENT_CLASSES: dict[str, type[KVEvent]] = {
     "BlockStored": BlockStored,
@@ -90,6 +105,7 @@ _FIELD_TYPES: dict[str, dict[str, Any]] = {
 }
 
 _ENCODER = msgspec.msgpack.Encoder()
+_T = TypeVar("_T")
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -198,9 +214,15 @@ class BatchDecoder:
         self._array_first = False
 
     def decode(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:
-        """Decode one payload frame.  Raises :class:`DecodeError` if it is malformed."""
+        """Decode one payload frame.
+
+        Raises :class:`DecodeError` if it is malformed, nested too deeply or too large
+        to decode; no other exception escapes.
+        """
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+        if sys.getrecursionlimit() > _TRUSTED_RECURSION_LIMIT:
+            _bound_nesting(payload)
         # A producer keeps one event form, so try the form that worked last time first.
         first, second = (
             (self._decode_array, self._decode_map)
@@ -208,13 +230,18 @@ class BatchDecoder:
             else (self._decode_map, self._decode_array)
         )
         try:
-            return first(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass
-        try:
-            batch = second(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return self._decode_generic(payload)
+            try:
+                return first(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            try:
+                batch = second(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return self._decode_generic(payload)
+        except DecodeError:
+            raise
+        except _UNDECODABLE as exc:
+            raise _undecodable(exc, payload) from exc
         self._array_first = not self._array_first
         return batch
 
@@ -233,8 +260,6 @@ class BatchDecoder:
             raw = self._generic.decode(payload)
         except msgspec.DecodeError as exc:
             raise DecodeError(f"$: not a msgpack document: {exc}") from exc
-        except RecursionError as exc:  # pragma: no cover - msgspec guards depth itself
-            raise DecodeError("$: msgpack document nested too deeply") from exc
         self.stats.tolerant_batches += 1
         ts, raw_events, rank = _split_batch(raw)
         events: list[KVEvent] = []
@@ -307,6 +332,112 @@ def _foreign_positional(tag: str, fields: dict[str, Any]) -> list[str]:
         except (msgspec.ValidationError, TypeError, ValueError, OverflowError):
             foreign.append(name)
     return foreign
+
+
+# Every decode path (typed, positional, generic) walks nested containers recursively, in
+# msgspec and in msgspec.convert.  Under Python's usual recursion limit a too-deep
+# payload stops them with RecursionError, which becomes a DecodeError; under a raised
+# limit (above _TRUSTED_RECURSION_LIMIT) the nesting is first bounded by
+# MAX_NESTING_DEPTH, so that no walk can run past the C stack.  A buffer that cannot be
+# read (a released or non-contiguous memoryview) is a DecodeError too.
+_UNDECODABLE = (RecursionError, MemoryError, BufferError, ValueError)
+
+
+def _guarded(
+    decode: Callable[[bytes | bytearray | memoryview], _T],
+    payload: bytes | bytearray | memoryview,
+) -> _T:
+    """Run ``decode(payload)`` letting only :class:`DecodeError` escape."""
+    if sys.getrecursionlimit() > _TRUSTED_RECURSION_LIMIT:
+        _bound_nesting(payload)
+    try:
+        return decode(payload)
+    except DecodeError:
+        raise
+    except _UNDECODABLE as exc:
+        raise _undecodable(exc, payload) from exc
+
+
+def _bound_nesting(payload: bytes | bytearray | memoryview) -> None:
+    try:
+        too_deep = _nested_deeper_than(payload, MAX_NESTING_DEPTH)
+    except (BufferError, ValueError, TypeError) as exc:
+        raise _undecodable(exc, payload) from exc
+    if too_deep:
+        raise DecodeError(f"$: containers nested deeper than {MAX_NESTING_DEPTH} levels")
+
+
+def _undecodable(exc: BaseException, payload: bytes | bytearray | memoryview) -> DecodeError:
+    """The :class:`DecodeError` for a failure that is not about the payload's shape."""
+    if isinstance(exc, RecursionError):
+        return DecodeError(
+            "$: containers nested too deeply to decode (past Python's recursion limit)"
+        )
+    if isinstance(exc, MemoryError):
+        return DecodeError(f"$: payload of {len(payload)} bytes is too large to decode")
+    return DecodeError(f"$: cannot read the payload buffer: {exc}")
+
+
+# Bytes after a msgpack type byte, for the scalars of fixed size.
+_FIXED_SIZES: dict[int, int] = {
+    0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,
+}  # fmt: skip
+# (length bytes, extra bytes) of the length-prefixed types: bin, ext, str.
+_SIZED: dict[int, tuple[int, int]] = {
+    0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
+}  # fmt: skip
+# (length bytes, items per entry) of the containers with a length field.
+_CONTAINERS: dict[int, tuple[int, int]] = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+def _nested_deeper_than(data: bytes | bytearray | memoryview, limit: int) -> bool:
+    """Whether the msgpack document in ``data`` nests containers more than ``limit`` deep.
+
+    An iterative walk of the type bytes (no recursion, no allocation per value).  It
+    stops early on bytes that are not msgpack (the decoder reports those).
+    """
+    view = memoryview(data).cast("B")
+    end = len(view)
+    pos = 0
+    open_items: list[int] = []  # items still expected by each open container
+    while pos < end:
+        b = view[pos]
+        pos += 1
+        items = -1  # a scalar; a container's entry count otherwise
+        if b <= 0x7F or b >= 0xE0:
+            pass
+        elif b <= 0x8F:
+            items = 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            items = b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED_SIZES:
+            pos += _FIXED_SIZES[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            pos += width + extra + int.from_bytes(view[pos : pos + width], "big")
+        elif b in _CONTAINERS:
+            width, per_entry = _CONTAINERS[b]
+            items = per_entry * int.from_bytes(view[pos : pos + width], "big")
+            pos += width
+        else:
+            return False  # 0xC1 is never used: not msgpack
+        if items >= 0 and len(open_items) >= limit:
+            return True  # this container sits at depth len(open_items) + 1
+        if items > 0:
+            open_items.append(items)
+            continue
+        while open_items:  # one value is complete
+            open_items[-1] -= 1
+            if open_items[-1]:
+                break
+            open_items.pop()
+        if not open_items:
+            return False  # the document is complete
+    return False
 
 
 def _split_batch(raw: Any) -> tuple[float, list[Any], int | None]:
@@ -409,8 +540,15 @@ class WireShape:
 def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
     """Infer the producer's wire generation from a payload's shape (C§1.3, C§9.16).
 
-    Raises :class:`DecodeError` if the payload is not a msgpack batch.
+    Raises :class:`DecodeError` if the payload is not a msgpack batch (nothing else
+    escapes).
     """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+    return _guarded(_describe, payload)
+
+
+def _describe(payload: bytes | bytearray | memoryview) -> WireShape:
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, TypeError) as exc:

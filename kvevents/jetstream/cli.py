@@ -8,6 +8,7 @@ import re
 import sys
 import threading
 import time
+from typing import Any
 
 from kvevents.engines import parse_engine_spec
 from kvevents.errors import ConfigError
@@ -113,9 +114,7 @@ def publish_capture(
         loop.close()
 
 
-def add_relay_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
+def add_relay_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``relay`` to the ``kvevents`` subcommands; returns its parser."""
     p = sub.add_parser(
         "relay",

@@ -13,9 +13,20 @@ Events (when ``enable_events``), drained by :meth:`CPUOffloadingManager.take_eve
 * one ``OffloadingEvent(stored_keys, "CPU", removed=False)`` per successful
   ``complete_store`` (keys in the order passed);
 * one ``OffloadingEvent(keys, "CPU", removed=True, metadata_only=True)`` per failed
-  ``complete_store``; at drain time it keeps only keys not allocated again since.
+  ``complete_store``; at drain time it keeps only the keys that are **absent** from the
+  tier then (as vLLM's ``take_events`` does), and is dropped if none is left.
 
-Lookups, loads, touches and :meth:`CPUOffloadingManager.reset_cache` emit nothing.
+Lookups, loads, touches and :meth:`CPUOffloadingManager.reset_cache` emit nothing; a
+reset drops no undrained event.
+
+Request accounting (vLLM's ``_record_request_cache_access``): each request records the
+keys it stores or reuses, once.  The keys a call records for the first time go, in call
+order, to one ``policy.on_request_access`` call: ``prepare_load`` records its keys after
+pinning them; ``prepare_store`` records its store candidates and the ready keys it
+offers before allocating, so also when it then returns ``None``.  A key counts as
+*reused* when the request loads it or re-offers it while ready, unless the request had
+inserted it before; at the request's finish the policy gets its keys per group, the
+keys it only inserted, and the keys it reused.
 """
 
 from __future__ import annotations
@@ -74,7 +85,8 @@ class OffloadManagerStats:
     events_emitted: int = 0
     """Events handed out by ``take_events``."""
     metadata_keys_filtered: int = 0
-    """Keys dropped from ``metadata_only`` events because they were allocated again."""
+    """Keys dropped from ``metadata_only`` events because they were present again when
+    the events were drained."""
     resets: int = 0
 
 
@@ -144,7 +156,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_allocated = 0
         self._free_list: list[int] = []
         self._num_evictable = 0
-        self._released: dict[OffloadKey, OffloadingEvent] = {}
         self._anonymous = ReqContext(req_id="")
         self._state_slot = f"kvevents.cpu_manager.{id(self)}"
         self.generation = 0
@@ -183,11 +194,31 @@ class CPUOffloadingManager(OffloadingManager):
             ctx.scratch[self._state_slot] = state
         return state
 
-    def _remember(self, ctx: ReqContext, state: _RequestState, keys: Sequence[OffloadKey]) -> None:
+    def _record(
+        self,
+        ctx: ReqContext,
+        state: _RequestState,
+        keys: Sequence[OffloadKey],
+        reused: Sequence[OffloadKey] = (),
+    ) -> None:
+        """Record that the request accessed ``keys`` (vLLM's ``_record_request_cache_access``).
+
+        The keys it records for the first time go, in order, to one
+        ``policy.on_request_access`` call.  ``reused`` keys count as reused unless the
+        request inserted them earlier.  The anonymous request keeps no per-key history
+        (it never finishes), so each of its calls is a first access.
+        """
         if ctx is self._anonymous:
-            return  # the anonymous request never finishes; keep no per-key history
-        for key in keys:
-            state.keys[key] = None
+            new = _unique(keys)
+        else:
+            new = []
+            for key in keys:
+                if key not in state.keys:
+                    state.keys[key] = None
+                    new.append(key)
+            state.reused.update(k for k in reused if k not in state.inserted)
+        if new:
+            self.policy.on_request_access(new, ctx)
 
     # --- chunk slots -------------------------------------------------------------------
 
@@ -223,7 +254,9 @@ class CPUOffloadingManager(OffloadingManager):
         """Pin ``keys`` and return their chunk ids in ``keys`` order.
 
         Every key must be present and ready, else :class:`OffloadError` and nothing is
-        pinned.  The keys count as *reused* by the request.
+        pinned.  Once they are pinned the request records the access: its keys new to
+        it go to ``policy.on_request_access``, and the keys count as *reused* unless the
+        request inserted them itself.
         """
         chunks: list[ChunkStatus] = []
         for key in keys:
@@ -239,10 +272,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._num_evictable -= 1
             chunk.ref_cnt += 1
         c = self._ctx(ctx)
-        state = self._state(c)
-        self._remember(c, state, keys)
-        if c is not self._anonymous:
-            state.reused.update(keys)
+        self._record(c, self._state(c), keys, reused=keys)
         self.stats.loads_prepared += len(keys)
         return CPULoadStoreSpec(np.array([c.chunk_id for c in chunks], dtype=np.int32))
 
@@ -309,15 +339,12 @@ class CPUOffloadingManager(OffloadingManager):
                 state.store_missed.clear()
             state.store_missed.update(new_misses)
             self.policy.on_store_miss(new_misses, c)
-        if reused:
-            self.policy.on_request_access(reused, c)
-        # The request's record holds what it stores and what it reuses; a key whose
-        # write is still in flight for another request, or that the threshold held
-        # back, is neither (its recency is not this request's to change at finish).
+        # Recorded before allocating, so also when the call then returns None.  The
+        # request's record holds what it stores and what it reuses; a key whose write is
+        # still in flight for another request, or that the threshold held back, is
+        # neither (its recency is not this request's to change at finish).
         recorded = set(candidates).union(reused)
-        self._remember(c, state, [k for k in offered if k in recorded])
-        if reused and c is not self._anonymous:
-            state.reused.update(reused)
+        self._record(c, state, [k for k in offered if k in recorded], reused=reused)
 
         if not candidates:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
@@ -343,7 +370,6 @@ class CPUOffloadingManager(OffloadingManager):
         chunk_ids = self._allocate(len(candidates))
         for key, chunk_id in zip(candidates, chunk_ids):
             self.policy.insert(key, ChunkStatus(chunk_id), c)
-            self._released.pop(key, None)
         if c is not self._anonymous:
             state.inserted.update(candidates)
         self.stats.stores_prepared += len(candidates)
@@ -381,10 +407,9 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             self.stats.stores_failed += len(done)
             if self.events is not None:
-                event = OffloadingEvent(done, self.medium, removed=True, metadata_only=True)
-                self.events.append(event)
-                for key in done:
-                    self._released[key] = event
+                self.events.append(
+                    OffloadingEvent(done, self.medium, removed=True, metadata_only=True)
+                )
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """Hand the request's keys to the policy once (per KV group, head to tail).
@@ -408,29 +433,35 @@ class CPUOffloadingManager(OffloadingManager):
         state.store_missed.clear()
 
     def reset_cache(self) -> None:
-        """Forget every chunk, slot and counter; emits **no** event (C§6.2)."""
+        """Forget every chunk, slot and counter; emits **no** event (C§6.2).
+
+        Events not drained yet are kept: a failed store's ``metadata_only`` release is
+        still reported, its key being absent after the reset.
+        """
         self.policy.clear()
         self._num_allocated = 0
         self._free_list.clear()
         self._num_evictable = 0
-        self._released.clear()
         if self._access_counts is not None:
             self._access_counts.clear()
         self.generation += 1
         self.stats.resets += 1
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Detach and return the collected events (``[]`` when events are off)."""
+        """Detach and return the collected events (``[]`` when events are off).
+
+        A ``metadata_only`` event keeps only its keys that are absent from the tier now
+        (a key allocated again and still held is not released), and is dropped when
+        none is left.
+        """
         if self.events is None or not self.events:
             return []
         drained, self.events = self.events, []
         out: list[OffloadingEvent] = []
         for event in drained:
             if event.metadata_only:
-                kept = [k for k in event.keys if self._released.get(k) is event]
+                kept = [k for k in event.keys if self.policy.get(k) is None]
                 self.stats.metadata_keys_filtered += len(event.keys) - len(kept)
-                for key in kept:
-                    del self._released[key]
                 if not kept:
                     continue
                 event.keys = kept

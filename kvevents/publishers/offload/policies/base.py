@@ -115,7 +115,12 @@ class CachePolicy(ABC):
         self.touch(keys, ctx)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """A request accessed ``keys`` that the tier already holds.  Default: no-op."""
+        """A request accessed ``keys`` for the first time (each key once per request).
+
+        Called once per manager call with the keys new to the request, in call order:
+        keys it loads (already pinned), ready keys it offers again, and keys it offers
+        for storing, *before* they are inserted (so not held yet).  Default: no-op.
+        """
         return None
 
     def on_request_finished(

@@ -11,7 +11,9 @@ evicted first.
   that spans the reset draws a new one.
 * :meth:`touch` gives fresh, increasing ranks walking the keys in reverse, so
   ``keys[0]`` ends most recent.
-* :meth:`on_request_access` raises a key to ``(request_rank, -position)`` if higher.
+* :meth:`on_request_access` takes the request's rank (drawing it on first use, even if
+  no key is then raised) and raises each held key with a position to
+  ``(request_rank, -position)`` if that is higher.
 * :meth:`on_request_finished` re-touches all of the request's keys in one tail-to-head
   order across its KV groups (by position), so its head ends most recent.
 
@@ -125,12 +127,18 @@ class LRUCachePolicy(CachePolicy):
         self.touch(order_request_keys(key_groups, ctx), ctx)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Raise each held key with a position to ``(request_rank, -position)`` if higher.
+
+        The request's rank is taken first, on every call, even when no key is then
+        raised (vLLM does the same): a request's rank dates from its first access.
+        """
+        request_rank = self._request_rank(ctx)
         for key in keys:
             current = self._ranks.get(key)
             position = ctx.position(key)
             if current is None or position is None:
                 continue
-            candidate = (self._request_rank(ctx), -position)
+            candidate = (request_rank, -position)
             if candidate > current:
                 self._set_rank(key, candidate)
 
