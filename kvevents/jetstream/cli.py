@@ -142,6 +142,13 @@ def add_relay_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-age", type=float, metavar="S", help="drop stored batches older than S seconds"
     )
     p.add_argument("--max-bytes", type=int, metavar="N", help="keep at most N bytes in the stream")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        metavar="N",
+        help="also follow the stream with an index and store a snapshot of it every N "
+        "batches in the JetStream object store KV_SNAPSHOTS (late routers load the newest)",
+    )
     p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no status line")
     return p
@@ -172,6 +179,15 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
         timer.start()
     worker = threading.Thread(target=relay.run, args=(stop,), name="kvevents-relay", daemon=True)
     worker.start()
+    snapper_thread = None
+    if args.snapshot_every is not None:
+        from kvevents.jetstream.snapshots import Snapshotter
+
+        snapper = Snapshotter(args.nats, args.snapshot_every, stream=args.stream)
+        snapper_thread = threading.Thread(
+            target=snapper.run, args=(stop,), name="kvevents-snapshots", daemon=True
+        )
+        snapper_thread.start()
     last = 0.0
     try:
         while worker.is_alive() and not stop.wait(0.5):
@@ -185,6 +201,8 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
     finally:
         stop.set()
         worker.join(10)
+        if snapper_thread is not None:
+            snapper_thread.join(10)
         relay.close()
     s = relay.stats
     print(

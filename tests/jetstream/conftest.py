@@ -11,6 +11,8 @@ pytest.importorskip("nats")
 from kvevents.errors import ConfigError
 from kvevents.jetstream import LocalNatsServer
 
+from .helpers import Engine
+
 
 @pytest.fixture
 def nats_server() -> Iterator[LocalNatsServer]:
@@ -22,3 +24,12 @@ def nats_server() -> Iterator[LocalNatsServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    e = Engine()
+    try:
+        yield e
+    finally:
+        e.stop()

@@ -12,7 +12,7 @@ from kvevents.cli import main
 from kvevents.codec import encode_batch
 from kvevents.jetstream import LocalNatsServer
 
-from .test_relay_faults import batch
+from .helpers import batch
 
 
 def write_capture(path: Path) -> None:
