@@ -140,6 +140,71 @@ def jetstream_path(bs: list[KVEventBatch]) -> tuple[float, float]:
     return len(bs) * BLOCK_EVENTS_PER_BATCH / elapsed, nbytes / (len(bs) * BLOCK_EVENTS_PER_BATCH)
 
 
+def late_router(n_batches: int, tail: int) -> tuple[float, float, int]:
+    """A stream of ``n_batches`` batches (5 block events each): seconds to be caught up
+    by replaying it all, and by loading a snapshot taken ``tail`` batches before the end
+    and replaying the rest.  Returns ``(full_s, snapshot_s, snapshot_bytes)``."""
+    import asyncio
+
+    import nats
+
+    from kvevents.codec import encode_batch
+    from kvevents.consumers import BlockIndex
+    from kvevents.jetstream import JetStreamSubscriber, LocalNatsServer
+    from kvevents.jetstream.naming import BatchHeaders, subject_for
+    from kvevents.jetstream.reader import StreamPosition
+    from kvevents.jetstream.relay import ensure_stream
+    from kvevents.jetstream.snapshots import SnapshotStore, apply_item, restore_latest
+
+    bs = batches(n_batches)
+    payloads = [encode_batch(b) for b in bs]
+
+    async def fill(url: str) -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        await ensure_stream(js, "KV_EVENTS")
+        for i in range(0, len(payloads), 1000):
+            futs = [
+                await js.publish_async(
+                    subject_for("e0", 0),
+                    p,
+                    headers=BatchHeaders("e0", b"", 0, i + j, 0).to_nats(),
+                )
+                for j, p in enumerate(payloads[i : i + 1000])
+            ]
+            await asyncio.gather(*futs)
+        await nc.close()
+
+    def catch_up(sub: Any, index: BlockIndex, last: int) -> None:
+        while sub.position.stream_seq < last:
+            item = sub.receive(timeout=5.0)
+            assert item is not None, "stream ended early"
+            apply_item(index, item)
+
+    with LocalNatsServer() as server:
+        asyncio.run(fill(server.url))
+        start = time.perf_counter()
+        full = BlockIndex()
+        with JetStreamSubscriber(server.url) as sub:
+            catch_up(sub, full, n_batches)
+        full_s = time.perf_counter() - start
+
+        cut = n_batches - tail  # the snapshot reflects stream seqs 1..cut
+        snap = BlockIndex()
+        for b in bs[:cut]:
+            snap.apply("e0", 0, b)
+        with SnapshotStore(server.url) as store:
+            store.put(snap, StreamPosition(cut, {("e0", 0): (0, cut - 1)}))
+            size = len(snap.snapshot())
+        start = time.perf_counter()
+        state = restore_latest(server.url)
+        with state.subscriber as sub:
+            catch_up(sub, state.index, n_batches)
+        snap_s = time.perf_counter() - start
+        assert state.index.summary() == full.summary()
+    return full_s, snap_s, size
+
+
 def main() -> None:
     args = parse_args(__doc__ or "")
     n = 2_000 if args.quick else 20_000
@@ -156,12 +221,23 @@ def main() -> None:
         return
     direct = direct_path(bs)
     via_js, per_event = jetstream_path(bs)
+    late_batches = 4_000 if args.quick else 200_000  # x5 block events: 1 M in the full run
+    full_s, snap_s, snap_bytes = late_router(late_batches, tail=late_batches // 100)
+    events = late_batches * BLOCK_EVENTS_PER_BATCH
     report(
         "relay",
         [
             result("engine→relay→JetStream→router", via_js, "block events/s", direct),
             result("engine→router over ZMQ (baseline)", direct, "block events/s"),
             result("JetStream bytes stored per block event", per_event, "B"),
+            result(
+                f"late router ready after {events:,} events: snapshot + last 1%",
+                snap_s,
+                "s",
+                full_s,
+            ),
+            result(f"late router ready after {events:,} events: full replay", full_s, "s"),
+            result("index snapshot size", snap_bytes, "B"),
         ],
     )
 
