@@ -17,6 +17,7 @@ running kvevents lays its index out differently, rather than restored wrongly.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
@@ -46,6 +47,38 @@ def _fields(obj: Any) -> list[str]:
     return names
 
 
+def _pack_int_dict(d: dict[Any, Any]) -> list[Any] | None:
+    """A dict of unsigned 64-bit int keys and int values (the index's big tables) as
+    ``["D", keys as <u8, value width in bytes, values as little-endian signed]``, or
+    None when it is not one.  Walking such dicts one entry at a time is what makes a
+    generic encoding slow."""
+    if not d:
+        return None
+    keys = list(d)
+    values = list(d.values())
+    if not all(type(k) is int for k in keys) or not all(type(x) is int for x in values):
+        return None
+    if min(keys) < 0 or max(keys) > _U64_MAX:
+        return None
+    width = max(max(x.bit_length() for x in values) // 8 + 1, 1)
+    try:
+        kb = struct.pack(f"<{len(keys)}Q", *keys)
+    except struct.error:
+        return None
+    vb = b"".join(x.to_bytes(width, "little", signed=True) for x in values)
+    return ["D", kb, width, vb]
+
+
+def _unpack_int_dict(v: list[Any]) -> dict[int, int]:
+    _, kb, width, vb = v
+    keys = struct.unpack(f"<{len(kb) // 8}Q", kb)
+    frm = int.from_bytes
+    values = [frm(vb[i : i + width], "little", signed=True) for i in range(0, len(vb), width)]
+    if len(values) != len(keys):
+        raise ValueError("packed table is truncated")
+    return dict(zip(keys, values))
+
+
 class _Writer:
     def __init__(self, module: str) -> None:
         self.module = module
@@ -67,6 +100,9 @@ class _Writer:
         if t is tuple:
             return ["t", [self.enc(x) for x in v]]
         if t is dict:
+            packed = _pack_int_dict(v)
+            if packed is not None:
+                return packed
             return ["d", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
         if t is OrderedDict:
             return ["o", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
@@ -122,6 +158,8 @@ class _Reader:
             return frozenset(self.dec(x) for x in v[1])
         if tag == "i":
             return int.from_bytes(v[1], "little", signed=True)
+        if tag == "D":
+            return _unpack_int_dict(v)
         if tag == "r":
             return self.objs[v[1]]
         if tag == "n":
