@@ -173,13 +173,15 @@ def _cmd_record(args: argparse.Namespace) -> int:
     from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber, ZmqSource
     from kvevents.consumers.subscriber import UNDECODABLE
     from kvevents.endpoints import is_wildcard_endpoint, require_connect
+    from kvevents.jetstream.cli import is_nats_url, open_jetstream_subscriber
 
     replay = args.replay_endpoint or None
     if replay is not None and len(replay) != len(args.endpoints):
         raise ConfigError(
             f"give one --replay-endpoint per endpoint ({len(args.endpoints)}), got {len(replay)}"
         )
-    for endpoint in args.endpoints:
+    from_jetstream = any(is_nats_url(e) for e in args.endpoints)
+    for endpoint in [] if from_jetstream else args.endpoints:
         if not args.listen:
             require_connect(
                 endpoint,
@@ -212,10 +214,15 @@ def _cmd_record(args: argparse.Namespace) -> int:
     deadline = start + args.duration if args.duration is not None else None
     topic = args.topic.encode("utf-8")
     taps: dict[str, _RawTap] = {}
-    for i, ep in enumerate(args.endpoints):
-        tap = _RawTap(ZmqSource(ep, topic, replay[i] if replay else None))
-        taps[tap.name] = tap
-    sub = Subscriber(list(taps.values()), replay_from_start=args.from_start)
+    sub: Any
+    if from_jetstream:
+        sub = open_jetstream_subscriber(list(args.endpoints), args.stream)
+        meta["stream"] = args.stream
+    else:
+        for i, ep in enumerate(args.endpoints):
+            tap = _RawTap(ZmqSource(ep, topic, replay[i] if replay else None))
+            taps[tap.name] = tap
+        sub = Subscriber(list(taps.values()), replay_from_start=args.from_start)
     decoder = BatchDecoder()
     written = 0
     try:
@@ -424,6 +431,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigError("replay needs exactly one of --into-index or --publish ENDPOINT")
     if args.into_index:
         return _replay_into_index(args)
+    from kvevents.jetstream.cli import is_nats_url, publish_capture
+
+    if any(is_nats_url(t) for t in args.publish):
+        if len(args.publish) != 1:
+            raise ConfigError("--publish nats://URL takes one URL (the stream holds every engine)")
+        appended, dups = publish_capture(args.file, args.publish[0], args.stream, args.source)
+        print(
+            f"appended {appended} batches to {args.stream} at {args.publish[0]} "
+            f"({dups} already stored)",
+            file=sys.stderr,
+        )
+        return 0
     return _replay_publish(args)
 
 
@@ -831,6 +850,14 @@ def _write_plot(write_plot: Any, report: Any, path: str) -> tuple[str | None, st
         return "not written", f"--plot {path}: the plot was not written: {exc}"
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from kvevents.jetstream.cli import run_relay
+
+    stop = threading.Event()
+    with _stop_on_signals(stop):
+        return run_relay(args, stop)
+
+
 # --- parser ------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (``kvevents inspect: error: ...``) instead of the
@@ -893,6 +920,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to read when ENDPOINT is nats://HOST:PORT (default KV_EVENTS)",
+    )
+    p.add_argument(
         "--from-start",
         action="store_true",
         help="fetch each publisher's buffered history from seq 0 when first seen",
@@ -950,6 +982,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay ROUTER endpoint, once per --publish",
     )
     p.add_argument("--source", help="republish only this recorded publisher")
+    p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to append to when --publish is nats://HOST:PORT",
+    )
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
     pace.add_argument("--max-rate", action="store_true", help="as fast as possible")
@@ -1047,6 +1084,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvevents.serve.cli import add_parsers as _add_serve_parsers
 
     _add_serve_parsers(sub)
+
+    from kvevents.jetstream.cli import add_relay_parser
+
+    add_relay_parser(sub).set_defaults(func=_cmd_relay)
     return parser
 
 

@@ -815,6 +815,25 @@ class BlockIndex:
         """Every worker the index has seen (and not removed), sorted."""
         return sorted(self._workers)
 
+    def snapshot(self) -> bytes:
+        """This index's whole state as bytes (versioned msgpack): :meth:`restore` gives
+        an index that answers and applies exactly as this one would from here on."""
+        from kvevents.consumers.snapshot import snapshot_index
+
+        return snapshot_index(self)
+
+    @classmethod
+    def restore(cls, data: bytes) -> BlockIndex:
+        """An index from :meth:`snapshot` bytes; :class:`ConfigError` if they are not a
+        snapshot this kvevents can read."""
+        from kvevents.consumers.snapshot import restore_index
+
+        index = restore_index(data)
+        if not isinstance(index, cls):
+            raise ConfigError(f"the snapshot holds a {type(index).__name__}, not a BlockIndex")
+        index._layout = None  # derived from the rest; rebuilt by the next query
+        return index
+
     def reset_worker(self, worker: WorkerId) -> None:
         """Forget everything a worker holds, metadata included (publisher restart, loss)."""
         w = self._workers.get(worker)
