@@ -136,7 +136,6 @@ def _cmd_record(args: argparse.Namespace) -> int:
         args.endpoints,
         topic=args.topic.encode("utf-8"),
         replay_endpoints=replay,
-        replay_from_start=args.from_start,
     )
     try:
         with (
@@ -630,7 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-start",
         action="store_true",
-        help="fetch each publisher's buffered history from seq 0 when first seen",
+        help="fetch each publisher's buffered history from seq 0 when first seen "
+        "(now always done; kept for compatibility)",
     )
     stop = p.add_mutually_exclusive_group()
     stop.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
