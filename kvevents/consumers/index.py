@@ -424,6 +424,17 @@ class BlockIndex:
         self._retired: OrderedDict[tuple[WorkerId, int, Hash], None] = OrderedDict()
         self._resident = 0
         self._layout: _Layout | None = None
+        self._stale: set[WorkerId] = set()
+
+    def set_stale(self, worker: WorkerId, stale: bool = True) -> None:
+        """Mark ``worker`` stale (its stream and replay endpoint went silent: the router
+        leaves it out) or live again.  What it holds is kept."""
+        (self._stale.add if stale else self._stale.discard)(worker)
+
+    @property
+    def stale_workers(self) -> frozenset[WorkerId]:
+        """The workers marked stale by :meth:`set_stale`."""
+        return frozenset(self._stale)
 
     # ------------------------------------------------------------------ feeding
 

@@ -165,12 +165,14 @@ class Router:
     ) -> list[Candidate]:
         """Every candidate worker with its match and cost, best first.
 
-        Candidates are the index's workers plus any worker named in ``loads``.
+        Candidates are the index's workers plus any worker named in ``loads``, less
+        the workers marked stale (:meth:`BlockIndex.set_stale`).
         """
         matches = self.find_matches(tokens, lora_name)
         workers = set(self.index.workers())
         if loads:
             workers.update(loads)
+        workers -= self.index.stale_workers
         n = len(tokens)
         wt = self.weights
         out = []

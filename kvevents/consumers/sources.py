@@ -230,6 +230,11 @@ class ZmqSource:
         return self.replay_endpoint is not None or bool(self._by_topic)
 
     @property
+    def monitored(self) -> bool:
+        """Whether connection events (:data:`CONNECTED`, ...) are reported."""
+        return self._want_monitor
+
+    @property
     def replay_inband(self) -> bool:
         return False
 
@@ -268,8 +273,12 @@ class ZmqSource:
         # Connection events first: a reconnect must be known before what it delivered.
         if self._monitor is not None:
             for event in _events(self._monitor):
-                kind = CONNECTED if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else DISCONNECTED
-                out.append(SourceMessage(kind, recv_ts=now))
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    out.append(SourceMessage(CONNECTED, recv_ts=now))
+                    continue
+                out.append(SourceMessage(DISCONNECTED, recv_ts=now))
+                if self.bound_endpoint is None:
+                    self._redial()
         sub = self._sub
         for _ in range(limit):
             try:
@@ -300,6 +309,19 @@ class ZmqSource:
                     msg.topic = topic
                 out.append(msg)
         return out
+
+    def _redial(self) -> None:
+        """Connect again after a drop.  libzmq reconnects by itself after a network
+        error but not after a protocol error (a frame over ``max_message_size``): its
+        session is gone.  Dialling anew covers both."""
+        try:
+            self._sub.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # the session already ended (protocol error)
+        try:
+            self._sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before
+            logger.warning("%s: cannot reconnect: %s", self._name, exc)
 
     def request_replay(self, start: int, topic: bytes = b"") -> None:
         channel = self.replay_channel(topic)

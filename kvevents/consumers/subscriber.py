@@ -660,6 +660,9 @@ class SubscriberCore:
             if src.name in self._dropped:
                 self._dropped.discard(src.name)
                 self._reconnected(src, now)
+            if self.catch_up:
+                # What was published before this connection never arrives live.
+                self._catch_up_source(src, now)
         elif kind == REPLAY_DISCONNECTED:
             self.stats.connections["replay_disconnected"] += 1
             self._replay_dropped(src, msg.channel, now)
@@ -931,19 +934,28 @@ class SubscriberCore:
 
     def _catch_up_sources(self) -> None:
         """Ask every replay channel for its whole ring at once, so a subscriber catches
-        up even on idle engines.  The replies create the streams they belong to (the
-        rank is in each batch, the topic in the reply or the channel)."""
+        up even on idle engines.  A source that reports connection events is asked when
+        its live socket connects instead (and again after each reconnect), so nothing
+        published before the connection is missed."""
         now = time.monotonic()
         for src in self._sources:
-            if src.replay_inband or not src.can_replay:
+            if not getattr(src, "monitored", False):
+                self._catch_up_source(src, now)
+
+    def _catch_up_source(self, src: Source, now: float) -> None:
+        """The replies create the streams they belong to (the rank is in each batch,
+        the topic in the reply or the channel); known streams ignore them."""
+        if src.replay_inband or not src.can_replay:
+            return
+        for channel, topic in _channels(src).items():
+            ck = (src.name, channel)
+            queue = self._queues.setdefault(ck, deque())
+            if any(j.catch_up is not None and not j.sent for j in queue):
                 continue
-            for channel, topic in _channels(src).items():
-                self.stats.replays["catch_up"] += 1
-                ck = (src.name, channel)
-                job = _ReplayJob(
-                    (src.name, -1), ck, topic, 0, 0, now + self.replay_timeout, catch_up={}
-                )
-                self._queues.setdefault(ck, deque()).append(job)
+            self.stats.replays["catch_up"] += 1
+            queue.append(
+                _ReplayJob((src.name, -1), ck, topic, 0, 0, now + self.replay_timeout, catch_up={})
+            )
         self._pump(now)
 
     def _end_inband_job(self, key: StreamKey, job: _ReplayJob) -> None:
