@@ -386,15 +386,25 @@ class StreamTracker(Generic[T]):
         out.append(self._begin(self.last if self.last is not None else 0, check=None))
         return out
 
-    def replay_failed(self, replay_id: int, detail: str) -> list[TrackerAction[T]]:
+    def replay_failed(
+        self, replay_id: int, detail: str, *, conclusive: bool = True
+    ) -> list[TrackerAction[T]]:
         """Replay ``replay_id`` cannot be done or did not finish: report every hole below
-        the buffered batches as lost (with ``detail``) and release them in order."""
+        the buffered batches as lost (with ``detail``) and release them in order.
+
+        When the replay was an identity check after a reconnect (or a contradicting
+        batch) and it got no answer at all (``conclusive``: a timeout), the stream is
+        taken as restarted.  ``conclusive=False`` (the endpoint answered but its
+        connection kept dropping, e.g. a reply over the size limit) releases the check
+        without a restart."""
         if not self._replaying or replay_id != self._replay_id:
             return []
-        if self._hold and self._strict:
+        if self._hold and self._strict and conclusive:
             return self._unverified(detail)
         out: list[TrackerAction[T]] = []
         self._check = None
+        self._hold = False
+        self._suspect_item = None
         if self._heap:
             self._resolve(max(self._pending) - 1, detail, out)
         self._release(out)

@@ -156,6 +156,8 @@ class ZmqSource:
     for the SUB and :data:`REPLAY_DISCONNECTED` for a DEALER, so the subscriber can
     check a stream's identity after a reconnect and resend a lost replay request.
 
+    ``replay_rcvhwm`` bounds the replies queued on a DEALER (messages; ZMQ then stops
+    reading that connection until they are consumed: flow control, not loss).
     ``curve`` (a :class:`~kvevents.security.CurveClientConfig`) makes the SUB and every
     DEALER CURVE clients of a publisher that requires authentication (off by default).
     """
@@ -173,6 +175,7 @@ class ZmqSource:
         max_message_size: int | None = DEFAULT_MAX_MESSAGE_SIZE,
         monitor: bool = True,
         curve: CurveClientConfig | None = None,
+        replay_rcvhwm: int = 50_000,
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
@@ -188,6 +191,7 @@ class ZmqSource:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.max_message_size = max_message_size or -1
+        self.replay_rcvhwm = replay_rcvhwm
         self._ctx = context if context is not None else zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -292,12 +296,6 @@ class ZmqSource:
             else:
                 out.append(SourceMessage(BAD_FRAME, recv_ts=now, detail=_describe_live(frames)))
         for channel, (dealer, mon, topic) in list(self._dealers.items()):
-            if mon is not None:
-                for event in _events(mon):
-                    if event == zmq.EVENT_DISCONNECTED:
-                        out.append(
-                            SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
-                        )
             for _ in range(limit):
                 try:
                     frames = dealer.recv_multipart(zmq.NOBLOCK)
@@ -308,6 +306,13 @@ class ZmqSource:
                 if not msg.topic:
                     msg.topic = topic
                 out.append(msg)
+            # After the replies: those already read arrived before the drop.
+            if mon is not None:
+                for event in _events(mon):
+                    if event == zmq.EVENT_DISCONNECTED:
+                        out.append(
+                            SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
+                        )
         return out
 
     def _redial(self) -> None:
@@ -331,7 +336,9 @@ class ZmqSource:
         if entry is None:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, 0)
+            # Bounded: beyond it ZMQ stops reading the connection (flow control, no
+            # loss), so a peer that floods replies cannot grow this process's memory.
+            dealer.setsockopt(zmq.RCVHWM, self.replay_rcvhwm)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
             apply_curve_client(dealer, self._curve)
             enable_ipv6_if_needed(dealer, channel)

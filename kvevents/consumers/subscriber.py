@@ -251,7 +251,7 @@ class SubscriberStats:
     ``replay_other_stream``, ``undecodable``, ``bad_frame``, ...);
     ``replays``: replay requests by outcome (``requested``, ``completed``, ``timed_out``,
     ``unavailable``, ``cooldown``, ``queue_timeout``, ``superseded``, ``resent``,
-    ``probe``, ``catch_up``);
+    ``connection_lost``, ``abandoned``, ``probe``, ``catch_up``);
     ``connections``: socket monitor events (``connected``, ``disconnected`` for the live
     sockets; ``replay_disconnected`` for replay DEALERs; a frame above
     ``max_message_size`` shows as a disconnect);
@@ -377,6 +377,7 @@ class SubscriberCore:
         rcvhwm: int = 100_000,
         max_message_size: int | None = DEFAULT_MAX_MESSAGE_SIZE,
         curve: CurveClientConfig | None = None,
+        max_replay_batches: int = 1_000_000,
         receive_batch: int = 256,
         inband_window: int = 1024,
     ) -> None:
@@ -408,6 +409,7 @@ class SubscriberCore:
         self.replay_cooldown = replay_cooldown
         self.stale_after_s = stale_after_s
         self.catch_up = catch_up
+        self.max_replay_batches = max_replay_batches
         self._history = history
         self._max_pending = max_pending
         self._batch = receive_batch
@@ -447,6 +449,7 @@ class SubscriberCore:
         self._cooldown_until: dict[ChannelKey, float] = {}
         self._dropped: set[str] = set()  # sources whose live socket disconnected
         self._last_topic: dict[str, bytes] = {}
+        self._cut_channels: set[ChannelKey] = set()
         self._owner: dict[Any, Source] = {}
         self._log = _RateLimitedLog()
         self._closed = False
@@ -528,6 +531,7 @@ class SubscriberCore:
         """Read what the ``ready`` sources have (None: every source), process it, then
         enforce replay deadlines and liveness.  ``now`` is ``time.monotonic()``."""
         for src in self._sources if ready is None else ready:
+            self._cut_channels.clear()
             for msg in src.receive(self._batch):
                 self._process(src, msg, now)
             if src.exhausted and src.replay_inband:
@@ -590,6 +594,8 @@ class SubscriberCore:
         elif kind == REPLAY:
             ck = (src.name, msg.channel)
             queue = self._queues.get(ck)
+            if ck in self._cut_channels:
+                queue = None  # read from a DEALER closed since: not for the job now
             job = queue[0] if queue and queue[0].sent else None
             if job is None:
                 self.stats.dropped["stale_replay"] += 1
@@ -624,13 +630,21 @@ class SubscriberCore:
             st = self._streams[key]
             self._heard(st, now)
             self._apply(key, st.tracker.replayed(replay_id, msg.seq, item, hash(msg.payload)))
+            if job.replies > self.max_replay_batches:
+                self._abandon(ck, f"replay sent over {self.max_replay_batches} batches")
+            elif job.catch_up is None and (
+                not st.tracker.replaying or st.tracker.replay_id != job.replay_id
+            ):
+                # The stream gave this replay up (too much buffered, a restart): stop
+                # reading a reply stream nobody waits for.
+                self._abandon(ck, "")
         elif kind == REPLAY_END:
             if src.replay_inband:
                 self._end_inband(src, everything=False, origin=origin)
                 return
             ck = (src.name, msg.channel)
             queue = self._queues.get(ck)
-            if not queue or not queue[0].sent:
+            if not queue or not queue[0].sent or ck in self._cut_channels:
                 self.stats.dropped["stale_replay_end"] += 1
                 return
             job = queue.popleft()
@@ -765,7 +779,7 @@ class SubscriberCore:
         for ck, queue in self._queues.items():
             if ck[0] == src.name and queue and queue[0].sent:
                 job = queue[0]
-                _cancel(src, job.topic)
+                self._cut(src, ck, job.topic)
                 job.sent = False
                 self._active -= 1
                 self.stats.replays["resent"] += 1
@@ -775,13 +789,31 @@ class SubscriberCore:
                 self._apply(key, st.tracker.verify())
         self._pump(now)
 
+    def _cut(self, src: Source, ck: ChannelKey, topic: bytes) -> None:
+        """Close ``ck``'s DEALER; replies of it already read in this batch are stale."""
+        _cancel(src, topic)
+        self._cut_channels.add(ck)
+
+    def _abandon(self, ck: ChannelKey, detail: str) -> None:
+        """Drop the replay in flight on ``ck`` (its DEALER is closed: no reply to it can
+        arrive any more); with ``detail``, its streams are told it failed."""
+        queue = self._queues[ck]
+        job = queue.popleft()
+        self._cut(self._source(ck[0]), ck, job.topic)
+        self._active -= 1
+        self.stats.replays["abandoned"] += 1
+        if detail:
+            self._log.warning(f"abandoned:{ck}", "%s: %s", ck[1], detail)
+            self._fail_job(job, detail)
+        self._pump(time.monotonic())
+
     def _replay_dropped(self, src: Source, channel: str, now: float) -> None:
         """A replay DEALER lost its connection: the request in flight (if any) is lost."""
         queue = self._queues.get((src.name, channel))
         if not queue or not queue[0].sent:
             return
         job = queue[0]
-        _cancel(src, job.topic)
+        self._cut(src, (src.name, channel), job.topic)
         job.sent = False
         self._active -= 1
         job.resends += 1
@@ -792,6 +824,7 @@ class SubscriberCore:
                 job,
                 f"replay connection to {channel} dropped {job.resends} times "
                 "(publisher gone, or a reply over max_message_size)",
+                conclusive=False,
             )
         else:
             self.stats.replays["resent"] += 1
@@ -893,7 +926,7 @@ class SubscriberCore:
                 # The endpoint is dead or too slow: drop the request in flight, fail every
                 # request queued for this channel, and leave it alone for a while.
                 src = self._source(ck[0])
-                _cancel(src, head.topic)
+                self._cut(src, ck, head.topic)
                 self._active -= 1
                 self._cooldown_until[ck] = now + self.replay_cooldown
                 self.stats.replays["timed_out"] += 1
@@ -928,9 +961,10 @@ class SubscriberCore:
         if expired:
             self._pump(now)
 
-    def _fail_job(self, job: _ReplayJob, detail: str) -> None:
+    def _fail_job(self, job: _ReplayJob, detail: str, *, conclusive: bool = True) -> None:
         for key, replay_id in job.streams():
-            self._apply(key, self._streams[key].tracker.replay_failed(replay_id, detail))
+            tracker = self._streams[key].tracker
+            self._apply(key, tracker.replay_failed(replay_id, detail, conclusive=conclusive))
 
     def _catch_up_sources(self) -> None:
         """Ask every replay channel for its whole ring at once, so a subscriber catches
@@ -1010,7 +1044,8 @@ class Subscriber(SubscriberCore):
     mark; ``max_message_size`` (bytes, default 64 MiB; None: unlimited) the
     ``ZMQ_MAXMSGSIZE`` of every socket; ``curve`` a
     :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
-    ``receive_batch`` the most messages read from one source per wake-up;
+    ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
+    is abandoned and its holes reported); ``receive_batch`` the most messages read from one source per wake-up;
     ``inband_window`` how many live records of a capture may follow a gap before the
     recorded replay answering it is given up (the gap is then reported lost).
     """

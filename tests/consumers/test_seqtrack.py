@@ -257,6 +257,24 @@ def test_probe_delivers_what_the_quiet_live_path_lost_and_checks_identity():
     assert kinds(t.replay_end(3))[0].startswith(PUBLISHER_RESTART)
 
 
+def test_an_identity_check_without_any_answer_is_taken_as_a_restart():
+    t: StreamTracker[Item] = StreamTracker()
+    for s in range(3):
+        live(t, s)
+    t.verify()
+    assert live(t, 3, epoch=1) == []  # held
+    out = kinds(t.replay_failed(t.replay_id, "timed out"))
+    assert out == [f"{PUBLISHER_RESTART}:None-2", "history_missed:0-2", "D3"]
+    # An endpoint that answers but whose connection keeps dropping is not conclusive.
+    t2: StreamTracker[Item] = StreamTracker()
+    for s in range(3):
+        live(t2, s)
+    t2.verify()
+    assert live(t2, 3) == []
+    assert kinds(t2.replay_failed(t2.replay_id, "dropped", conclusive=False)) == ["D3"]
+    assert live(t2, 4) == ["D4"]
+
+
 def test_too_much_buffered_abandons_the_replay():
     t: StreamTracker[Item] = StreamTracker(max_pending=3)
     live(t, 0)
