@@ -175,7 +175,7 @@ class ZmqSource:
         max_message_size: int | None = DEFAULT_MAX_MESSAGE_SIZE,
         monitor: bool = True,
         curve: CurveClientConfig | None = None,
-        replay_rcvhwm: int = 50_000,
+        replay_rcvhwm: int = 1_000,
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
