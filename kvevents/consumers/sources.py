@@ -132,7 +132,9 @@ DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 """Default ``ZMQ_MAXMSGSIZE`` of a :class:`ZmqSource`'s sockets (64 MiB): a frame above
 it is refused by ZMQ, which drops the connection (counted; it reconnects)."""
 
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_REDIAL_AFTER_S = 0.5
+"""After a drop with no reconnect attempt by libzmq within this long, dial again."""
 
 
 class ZmqSource:
@@ -224,6 +226,8 @@ class ZmqSource:
         # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
         self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
         self._closed = False
+        self.redial_at: float | None = None
+        """When :meth:`maintain` dials again (monotonic seconds), or None."""
 
     @property
     def name(self) -> str:
@@ -277,12 +281,15 @@ class ZmqSource:
         # Connection events first: a reconnect must be known before what it delivered.
         if self._monitor is not None:
             for event in _events(self._monitor):
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if event == zmq.EVENT_CONNECT_RETRIED:
+                    self.redial_at = None  # libzmq reconnects by itself
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.redial_at = None
                     out.append(SourceMessage(CONNECTED, recv_ts=now))
-                    continue
-                out.append(SourceMessage(DISCONNECTED, recv_ts=now))
-                if self.bound_endpoint is None:
-                    self._redial()
+                else:
+                    out.append(SourceMessage(DISCONNECTED, recv_ts=now))
+                    if self.bound_endpoint is None:
+                        self.redial_at = time.monotonic() + _REDIAL_AFTER_S
         sub = self._sub
         for _ in range(limit):
             try:
@@ -315,14 +322,18 @@ class ZmqSource:
                         )
         return out
 
-    def _redial(self) -> None:
-        """Connect again after a drop.  libzmq reconnects by itself after a network
-        error but not after a protocol error (a frame over ``max_message_size``): its
-        session is gone.  Dialling anew covers both."""
+    def maintain(self, now: float) -> None:
+        """Dial again when the live connection dropped and libzmq is not reconnecting:
+        it reconnects by itself after a network error but not after a protocol error
+        (a frame over ``max_message_size``), whose session is gone.  ``now`` is
+        ``time.monotonic()``; :attr:`redial_at` says when this is due (None: never)."""
+        if self.redial_at is None or now < self.redial_at or self._closed:
+            return
+        self.redial_at = None
         try:
-            self._sub.disconnect(self.endpoint)
+            self._sub.disconnect(self.endpoint)  # the ended session still holds the address
         except zmq.ZMQError:
-            pass  # the session already ended (protocol error)
+            pass
         try:
             self._sub.connect(self.endpoint)
         except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before

@@ -503,6 +503,10 @@ class SubscriberCore:
         for queue in self._queues.values():
             for job in queue:
                 waits.append(job.deadline - now)
+        for src in self._sources:
+            redial_at = getattr(src, "redial_at", None)
+            if redial_at is not None:
+                waits.append(redial_at - now)
         stale = self.stale_after_s
         if stale is not None:
             for st in self._streams.values():
@@ -538,6 +542,10 @@ class SubscriberCore:
                 self._end_inband(src, everything=True)
         self._check_deadlines(now)
         self._check_liveness(now)
+        for src in self._sources:
+            maintain = getattr(src, "maintain", None)
+            if maintain is not None:
+                maintain(now)
 
     def close(self) -> None:
         """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
