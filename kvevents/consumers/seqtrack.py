@@ -89,6 +89,8 @@ UNRECOVERABLE_LOSS = "unrecoverable_loss"
 HISTORY_MISSED = "history_missed"
 
 _INF = float("inf")
+_NEVER = 1 << 62
+_NOT_IN_RING = "not in the publisher's replay buffer"
 _MAX_ROUNDS = 8
 """Replay rounds in a row that may each leave holes above what they covered."""
 
@@ -195,6 +197,7 @@ class StreamTracker(Generic[T]):
         self._replies = 0
         self._progress = 0
         self._req_front = -1
+        self._ahead = _NEVER
         self._rounds = 0
 
     # --- state ----------------------------------------------------------------------
@@ -325,13 +328,15 @@ class StreamTracker(Generic[T]):
             out.append(Drop(seq, "replay_overlap"))
             return out
         if seq > nxt:
-            # The ring skipped next..seq-1; what the live path already passed is gone.
+            # The ring skipped next..seq-1 (except what this replay already offered and
+            # was left to the live path); what the live path already passed is gone.
             front = self._front if self._front >= 0 and not self._quiet else seq - 1
-            self._resolve(min(seq - 1, front), "not in the publisher's replay buffer", out)
+            self._resolve(min(seq - 1, front, self._ahead - 1), _NOT_IN_RING, out)
             nxt = self._next
             assert nxt is not None
         if seq != nxt:
             out.append(Drop(seq, "replay_ahead"))
+            self._ahead = min(self._ahead, seq)
             return out
         entry = self._pending.pop(seq, None)
         if entry is not None:
@@ -365,7 +370,7 @@ class StreamTracker(Generic[T]):
             # request), so a reply stream stopping short of it without bringing anything
             # new holds nothing more for the holes.
             covered = self._req_front
-        self._resolve(min(covered, self._front), "not in the publisher's replay buffer", out)
+        self._resolve(min(covered, self._front, self._ahead - 1), _NOT_IN_RING, out)
         self._release(out)
         if not self._heap or self._rounds >= _MAX_ROUNDS:
             if self._heap:
@@ -439,6 +444,7 @@ class StreamTracker(Generic[T]):
         self._replies = 0
         self._progress = 0
         self._req_front = self._front
+        self._ahead = _NEVER  # lowest seq this replay offered ahead of the live path
         self._quiet = False
         return StartReplay(start, self._replay_id)
 

@@ -450,6 +450,7 @@ class SubscriberCore:
         self._dropped: set[str] = set()  # sources whose live socket disconnected
         self._last_topic: dict[str, bytes] = {}
         self._cut_channels: set[ChannelKey] = set()
+        self._names: dict[tuple[str, bytes], str] = {}
         self._owner: dict[Any, Source] = {}
         self._log = _RateLimitedLog()
         self._closed = False
@@ -567,7 +568,7 @@ class SubscriberCore:
             if decoded is None:
                 return
             self._last_topic[src.name] = msg.topic
-            key = (worker_source(origin, msg.topic), decoded.data_parallel_rank or 0)
+            key = (self._worker_source(origin, msg.topic), decoded.data_parallel_rank or 0)
             st = self._stream(key, src, msg.topic, now)
             tracker = st.tracker
             item = _Item(msg.topic, msg.payload, decoded, msg.recv_ts, msg.replayed)
@@ -619,7 +620,7 @@ class SubscriberCore:
             topic = msg.topic or (
                 job.topic if job.catch_up is None else self._last_topic.get(src.name, b"")
             )
-            key = (worker_source(origin, topic), decoded.data_parallel_rank or 0)
+            key = (self._worker_source(origin, topic), decoded.data_parallel_rank or 0)
             item = _Item(topic, msg.payload, decoded, msg.recv_ts, True)
             if job.catch_up is not None:
                 replay_id = job.catch_up.get(key)
@@ -688,6 +689,15 @@ class SubscriberCore:
         elif kind == REPLAY_DISCONNECTED:
             self.stats.connections["replay_disconnected"] += 1
             self._replay_dropped(src, msg.channel, now)
+
+    def _worker_source(self, origin: str, topic: bytes) -> str:
+        names = self._names
+        name = names.get((origin, topic))
+        if name is None:
+            if len(names) > 65_536:  # topics are few; a peer inventing them is not
+                names.clear()
+            name = names[(origin, topic)] = worker_source(origin, topic)
+        return name
 
     def _heard(self, st: _Stream, now: float, *, live: bool = False) -> None:
         st.heard = now

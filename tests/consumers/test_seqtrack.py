@@ -386,7 +386,7 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
             ):
                 assert a.first_seq is not None and a.last_seq is not None
                 invented = set(range(a.first_seq, a.last_seq + 1)) & ring_seqs
-                assert not invented, f"reported lost but in the ring: {invented}"
+                assert not invented, f"reported lost but in the ring: {invented}: {kinds(out)}"
 
     def serve(everything: bool) -> None:
         if not in_flight:
