@@ -83,7 +83,7 @@ def direct_path(bs: list[KVEventBatch]) -> float:
     pub = publisher(len(bs))
     try:
         src = ZmqSource(local(pub.endpoint), b"", local(pub.replay_endpoint), name="e0")
-        with Subscriber([src], replay_from_start=True) as sub:
+        with Subscriber([src]) as sub:
             index = BlockIndex()
             pub.publish(KVEventBatch(ts=0.0, events=[], data_parallel_rank=0))
             drain(sub, 1, index)  # connected

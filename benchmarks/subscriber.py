@@ -6,6 +6,12 @@
   traffic without decoding or tracking.
 * The time to recover a 1,000-batch gap by replay (gap seen -> every missing batch
   delivered in order), against a raw DEALER request/drain of the same 1,000 batches.
+* Memory under hostile peers (resident set of the subscriber process, MiB, before and
+  at its peak): a publisher flooding frames far over ``max_message_size`` (each one is
+  refused by ZMQ, which drops the connection; the subscriber redials), against the same
+  flood taken by a subscriber without a size limit; and a replay endpoint whose reply
+  stream never ends, against a raw DEALER without a receive bound reading nothing.
+  (The subscriber's bound is its replay receive queue: ``replay_rcvhwm`` messages.)
 
 ``--quick`` shrinks every count so the run takes a few seconds.
 """
@@ -13,6 +19,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import resource
 import statistics
 import sys
 import time
@@ -209,7 +217,7 @@ def gap_recovery(gap: int, repeats: int) -> tuple[float, float]:
     ctx = zmq.Context.instance()
     try:
         for _ in range(repeats):
-            with Subscriber(ep, replay_endpoints=[rep], replay_timeout=30) as sub:
+            with Subscriber(ep, replay_endpoints=[rep], replay_timeout=30, catch_up=False) as sub:
                 t_gap = None
                 while True:
                     item = sub.receive(30)
@@ -239,6 +247,141 @@ def gap_recovery(gap: int, repeats: int) -> tuple[float, float]:
     return statistics.median(sub_times), statistics.median(raw_times)
 
 
+# --- hostile peers: memory ---------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _flooder_proc(frames: int, size: int, ports: Any, done: Any) -> None:
+    """A PUB (XPUB) that sends ``frames`` huge live messages, one whenever a subscriber
+    is connected (a refused frame drops the connection; the subscriber redials)."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    pub.setsockopt(zmq.SNDHWM, 4)
+    ports.put(pub.bind_to_random_port("tcp://127.0.0.1"))
+    junk = b"\xc1" * size
+    subscribed = False
+    sent = 0
+    while sent < frames:
+        if pub.poll(20):
+            subscribed = pub.recv()[:1] == b"\x01"
+        if subscribed:
+            try:
+                pub.send_multipart(pack_live(TOPIC, sent, junk), zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+    time.sleep(1.0)  # let the last frames drain before the socket goes
+    done.set()
+    pub.close()
+    ctx.term()
+
+
+def _endless_replay_proc(size: int, ports: Any, stop: Any) -> None:
+    """A ROUTER that answers a replay request with replies that never end."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)  # only so a subscriber connects (and asks for a catch-up)
+    ports.put(pub.bind_to_random_port("tcp://127.0.0.1"))
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 1000)
+    ports.put(router.bind_to_random_port("tcp://127.0.0.1"))
+    junk = b"\xc1" * size
+    clients: list[bytes] = []
+    seq = 0
+    while not stop.is_set():
+        while router.poll(0):
+            ident, _ = parse_replay_request(router.recv_multipart())
+            clients.append(ident)
+        for ident in clients:
+            try:
+                router.send_multipart(pack_replay_reply(ident, TOPIC, seq, junk), zmq.NOBLOCK)
+                seq += 1
+            except zmq.Again:
+                pass
+        if not clients:
+            time.sleep(0.01)
+    router.close(0)
+    pub.close(0)
+    ctx.term()
+
+
+def _measure(fn: Any, out: Any) -> None:
+    before = _rss_mib()
+    fn()
+    out.put((before, _peak_mib(), _rss_mib()))
+
+
+def _sub_under_flood(limit: int | None, frames: int, size: int) -> tuple[float, float, float]:
+    ports: Any = mp.Queue()
+    done = mp.Event()
+    flood = mp.Process(target=_flooder_proc, args=(frames, size, ports, done))
+    flood.start()
+    ep = f"tcp://127.0.0.1:{ports.get(timeout=30)}"
+
+    def run() -> None:
+        with Subscriber(ep, max_message_size=limit, stale_after_s=None) as sub:
+            end = time.monotonic() + 120
+            while not done.is_set() and time.monotonic() < end:
+                sub.receive(0.05)
+            while sub.receive(0.2) is not None:
+                pass
+
+    out: Any = mp.Queue()
+    proc = mp.Process(target=_measure, args=(run, out))
+    proc.start()
+    res = out.get(timeout=300)
+    proc.join(30)
+    flood.join(30)
+    return res
+
+
+def _sub_under_endless_replay(bounded: bool, seconds: float, size: int) -> tuple[float, ...]:
+    ports: Any = mp.Queue()
+    stop = mp.Event()
+    server = mp.Process(target=_endless_replay_proc, args=(size, ports, stop))
+    server.start()
+    ep = f"tcp://127.0.0.1:{ports.get(timeout=30)}"
+    rep = f"tcp://127.0.0.1:{ports.get(timeout=30)}"
+
+    def run() -> None:
+        end = time.monotonic() + seconds
+        if bounded:
+            # A subscriber whose application keeps up, told the replay holds 20k.
+            with Subscriber(
+                ep,
+                replay_endpoints=[rep],
+                stale_after_s=None,
+                max_replay_batches=20_000,
+            ) as sub:
+                while time.monotonic() < end:
+                    sub.receive(0.05)
+        else:
+            # Baseline: a DEALER with no receive bound whose reader stalls.
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(rep)
+            dealer.send_multipart(pack_replay_request(0))
+            time.sleep(seconds)
+            dealer.close(0)
+
+    out: Any = mp.Queue()
+    proc = mp.Process(target=_measure, args=(run, out))
+    proc.start()
+    res = out.get(timeout=300)
+    proc.join(30)
+    stop.set()
+    server.join(30)
+    return res
+
+
 def main() -> None:
     args = parse_args(__doc__ or "")
     mp.set_start_method("fork", force=True)
@@ -262,6 +405,36 @@ def main() -> None:
     gap = 1000
     sub_t, raw_t = gap_recovery(gap, 3 if args.quick else 7)
     results.append(result(f"recover a {gap}-batch gap", sub_t * 1e3, "ms", raw_t * 1e3))
+    frames, size = (6, 8 << 20) if args.quick else (24, 16 << 20)
+    before, peak, _ = _sub_under_flood(1 << 20, frames, size)
+    b_before, b_peak, _ = _sub_under_flood(None, frames, size)
+    print(
+        f"huge-frame flood ({frames} x {size >> 20} MiB): RSS {before:.0f} -> peak {peak:.0f} "
+        f"MiB with max_message_size 1 MiB; {b_before:.0f} -> {b_peak:.0f} MiB without a limit"
+    )
+    results.append(
+        result(
+            f"RSS growth, {frames} x {size >> 20} MiB frames, max_message_size 1 MiB",
+            peak - before,
+            "MiB",
+            b_peak - b_before,
+        )
+    )
+    secs = 1.5 if args.quick else 3.0
+    before, peak, _ = _sub_under_endless_replay(True, secs, 16 << 10)
+    b_before, b_peak, _ = _sub_under_endless_replay(False, secs, 16 << 10)
+    print(
+        f"endless replay ({secs:g} s of 16 KiB replies): RSS {before:.0f} -> peak {peak:.0f} "
+        f"MiB (subscriber); {b_before:.0f} -> {b_peak:.0f} MiB (unbounded DEALER)"
+    )
+    results.append(
+        result(
+            f"RSS growth, {secs:g} s endless replay of 16 KiB replies",
+            peak - before,
+            "MiB",
+            b_peak - b_before,
+        )
+    )
     report("subscriber", results)
 
 

@@ -9,7 +9,7 @@ in for the rest of an application.
 Run::
 
     python examples/async_consumer.py tcp://127.0.0.1:5557 \\
-        --replay-endpoint tcp://127.0.0.1:5558 --from-start
+        --replay-endpoint tcp://127.0.0.1:5558
 
 It stops on Ctrl-C, after ``--duration`` seconds, ``--count`` batches, or ``--idle``
 seconds without an event.
@@ -32,9 +32,7 @@ async def follow(args: argparse.Namespace, index: BlockIndex, anomalies: Counter
     """Apply the stream to ``index`` until a stop condition; returns the batches seen."""
     batches = 0
     start = last = time.monotonic()
-    async with AsyncSubscriber(
-        args.endpoints, replay_endpoints=args.replay_endpoint, replay_from_start=args.from_start
-    ) as sub:
+    async with AsyncSubscriber(args.endpoints, replay_endpoints=args.replay_endpoint) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
         while args.count is None or batches < args.count:
             now = time.monotonic()
@@ -89,7 +87,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
     p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
-    p.add_argument("--from-start", action="store_true", help="replay each engine's history")
     p.add_argument("--duration", type=float, help="stop after S seconds")
     p.add_argument("--count", type=int, help="stop after N batches")
     p.add_argument("--idle", type=float, help="stop when nothing arrived for S seconds")

@@ -15,7 +15,7 @@ tokens) with the GPU stores of the same hash.  Anomalies are handled as a router
 Run::
 
     python examples/follow_engines.py tcp://127.0.0.1:5557 \\
-        --replay-endpoint tcp://127.0.0.1:5558 --from-start
+        --replay-endpoint tcp://127.0.0.1:5558
 
 It stops on Ctrl-C, after ``--duration`` seconds, after ``--count`` batches, or once the
 engines have been quiet for ``--idle`` seconds; then it prints what the index holds.
@@ -41,7 +41,6 @@ def main() -> None:
         metavar="ENDPOINT",
         help="the replay endpoint of each ENDPOINT, in the same order",
     )
-    p.add_argument("--from-start", action="store_true", help="replay each engine's history")
     p.add_argument("--duration", type=float, help="stop after S seconds")
     p.add_argument("--count", type=int, help="stop after N batches")
     p.add_argument("--idle", type=float, help="stop when nothing arrived for S seconds")
@@ -55,7 +54,6 @@ def main() -> None:
     with Subscriber(
         args.endpoints,
         replay_endpoints=args.replay_endpoint,
-        replay_from_start=args.from_start,
     ) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
         try:

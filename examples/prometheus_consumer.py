@@ -13,7 +13,7 @@ both components' counters (and the subscriber's decoder's) on
 Run::
 
     python examples/prometheus_consumer.py tcp://127.0.0.1:5557 \\
-        --replay-endpoint tcp://127.0.0.1:5558 --from-start --port 9400
+        --replay-endpoint tcp://127.0.0.1:5558 --port 9400
     curl -s http://127.0.0.1:9400/metrics | grep kvevents_
 
 It stops on Ctrl-C, after ``--duration`` seconds, ``--count`` batches, or ``--idle``
@@ -34,7 +34,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
     p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
-    p.add_argument("--from-start", action="store_true", help="replay each engine's history")
     p.add_argument("--port", type=int, default=9400, help="metrics port on 127.0.0.1")
     p.add_argument("--duration", type=float, help="stop after S seconds")
     p.add_argument("--count", type=int, help="stop after N batches")
@@ -42,9 +41,7 @@ def main() -> None:
     args = p.parse_args()
 
     index = BlockIndex()
-    sub = Subscriber(
-        args.endpoints, replay_endpoints=args.replay_endpoint, replay_from_start=args.from_start
-    )
+    sub = Subscriber(args.endpoints, replay_endpoints=args.replay_endpoint)
     collector = StatsCollector()  # reads each component's .stats at every scrape
     label = ",".join(args.endpoints)
     collector.register("subscriber", sub, endpoint=label)

@@ -23,7 +23,7 @@ Run it, then follow it from another terminal::
 
     python examples/publish_engine.py --requests 0          # until Ctrl-C
     python examples/follow_engines.py tcp://127.0.0.1:5557 \\
-        --replay-endpoint tcp://127.0.0.1:5558 --from-start
+        --replay-endpoint tcp://127.0.0.1:5558
 
 ``--requests N`` stops after N requests (0: run until interrupted); ``--json`` prints
 the totals as one JSON object at the end.

@@ -79,9 +79,7 @@ def main() -> None:
 
     index = BlockIndex()
     router = Router(index)
-    with Subscriber(
-        args.endpoints, replay_endpoints=args.replay_endpoint, replay_from_start=True
-    ) as sub:
+    with Subscriber(args.endpoints, replay_endpoints=args.replay_endpoint) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
         # Wait until every engine has been heard from and the stream has settled.
         deadline = time.monotonic() + args.timeout

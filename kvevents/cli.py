@@ -109,45 +109,22 @@ class _RawTap:
     reads, so that a frame the subscriber cannot decode is still written to the capture
     byte for byte (flagged undecodable) instead of being dropped.  The subscriber
     processes what a source returns before reading it again, and ``record`` drains every
-    item in between, so the last two reads always hold the frame an anomaly names."""
+    item in between, so the last two reads always hold the frame an anomaly names.
+    Everything but :meth:`receive` is the wrapped source's own (attribute lookups are
+    forwarded, optional parts of the source protocol included)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self._recent: list[list[Any]] = [[], []]
 
-    @property
-    def name(self) -> str:
-        return str(self.inner.name)
-
-    @property
-    def can_replay(self) -> bool:
-        return bool(self.inner.can_replay)
-
-    @property
-    def replay_inband(self) -> bool:
-        return bool(self.inner.replay_inband)
-
-    @property
-    def exhausted(self) -> bool:
-        return bool(self.inner.exhausted)
-
-    def sockets(self) -> Sequence[Any]:
-        return self.inner.sockets()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def receive(self, limit: int) -> list[Any]:
         msgs: list[Any] = self.inner.receive(limit)
         if msgs:
             self._recent = [self._recent[1], msgs]
         return msgs
-
-    def request_replay(self, start: int) -> None:
-        self.inner.request_replay(start)
-
-    def cancel_replay(self) -> None:
-        self.inner.cancel_replay()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def take_undecodable(self, origin: str, seq: int, replayed: bool, decoder: Any) -> Any:
         """The raw message of seq ``seq`` from ``origin`` that does not decode, or None."""
@@ -222,7 +199,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
         for i, ep in enumerate(args.endpoints):
             tap = _RawTap(ZmqSource(ep, topic, replay[i] if replay else None))
             taps[tap.name] = tap
-        sub = Subscriber(list(taps.values()), replay_from_start=args.from_start)
+        sub = Subscriber(list(taps.values()))
     decoder = BatchDecoder()
     written = 0
     try:
@@ -927,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-start",
         action="store_true",
-        help="fetch each publisher's buffered history from seq 0 when first seen",
+        help="fetch each publisher's buffered history from seq 0 when first seen "
+        "(now always done; kept for compatibility)",
     )
     stop = p.add_mutually_exclusive_group()
     stop.add_argument(

@@ -9,14 +9,16 @@ blocks the event loop::
             ...
 
 It yields the same :class:`ReceivedBatch` / :class:`Anomaly` values in the same order as
-the sync subscriber would for the same traffic.  Use it from one task at a time.
+the sync subscriber would for the same traffic: both drive one
+:class:`~kvevents.consumers.subscriber.SubscriberCore` through its public stepping
+interface (catch-up, restart detection, liveness and every counter included).  Use it from one task at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +27,9 @@ import zmq.asyncio
 
 from kvevents.consumers.subscriber import (
     EndpointSpec,
+    ReplaySpec,
     Subscriber,
+    SubscriberCore,
     SubscriberItem,
     SubscriberStats,
 )
@@ -41,10 +45,10 @@ class AsyncSubscriber:
         self,
         endpoints: EndpointSpec | Sequence[EndpointSpec],
         topic: bytes = b"",
-        replay_endpoints: Sequence[str | None] | Mapping[str, str] | None = None,
+        replay_endpoints: ReplaySpec = None,
         **options: Any,
     ) -> None:
-        self._core = Subscriber(endpoints, topic, replay_endpoints, **options)
+        self._core: SubscriberCore = Subscriber(endpoints, topic, replay_endpoints, **options)
         self._poller: zmq.asyncio.Poller | None = None
         self._poller_key: tuple[int, ...] = ()
 
@@ -54,8 +58,8 @@ class AsyncSubscriber:
         return self._core.stats
 
     @property
-    def subscriber(self) -> Subscriber:
-        """The engine underneath (for its sources and settings)."""
+    def subscriber(self) -> SubscriberCore:
+        """The engine underneath (for its sources, settings and stale workers)."""
         return self._core
 
     async def receive(self, timeout: float | None = None) -> SubscriberItem | None:
@@ -64,32 +68,33 @@ class AsyncSubscriber:
         core = self._core
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            item = core._take()
+            item = core.take()
             if item is not None:
                 return item
-            if core.closed or core._finished():
+            if core.closed or core.finished():
                 return None
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                core._step(core._poll(0.0), now)
-                return core._take()
-            wait = core._wait_seconds(now, deadline)
+                core.step(None, now)
+                return core.take()
+            wait = core.wait_seconds(now, deadline)
             if wait == 0.0:
-                # A file source is ready: read it, but let other tasks run in between.
-                core._step(core._poll(0.0), now)
+                # A file source is ready, or a deadline is due: process, but let other
+                # tasks run in between.
+                core.step(core.ready_sources(()), now)
                 await asyncio.sleep(0)
                 continue
-            await self._wait_readable(wait)
+            ready = await self._wait_readable(wait)
             if core.closed:
                 return None
-            core._step(core._poll(0.0), time.monotonic())
+            core.step(core.ready_sources(ready), time.monotonic())
 
-    async def _wait_readable(self, wait: float | None) -> None:
-        socks = self._core._poll_sockets()
+    async def _wait_readable(self, wait: float | None) -> list[Any]:
+        socks = self._core.wait_sockets()
         if not socks:
             if wait is not None:
                 await asyncio.sleep(wait)
-            return
+            return []
         key = tuple(id(s) for s in socks)
         if self._poller is None or key != self._poller_key:
             poller = zmq.asyncio.Poller()
@@ -97,7 +102,7 @@ class AsyncSubscriber:
                 poller.register(sock, zmq.POLLIN)
             self._poller, self._poller_key = poller, key
         timeout_ms = None if wait is None else max(1, int(wait * 1000 + 0.999))
-        await self._poller.poll(timeout_ms)
+        return [sock for sock, _ in await self._poller.poll(timeout_ms)]
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
         return self._iterate()

@@ -587,6 +587,17 @@ class BlockIndex:
         # cap is resident (_watch_hit), so an index far from its cap pays nothing for it.
         self._tracking = False
         self._watch = max_blocks // 2
+        self._stale: set[WorkerId] = set()
+
+    def set_stale(self, worker: WorkerId, stale: bool = True) -> None:
+        """Mark ``worker`` stale (its stream and replay endpoint went silent: the router
+        leaves it out) or live again.  What it holds is kept."""
+        (self._stale.add if stale else self._stale.discard)(worker)
+
+    @property
+    def stale_workers(self) -> frozenset[WorkerId]:
+        """The workers marked stale by :meth:`set_stale`."""
+        return frozenset(self._stale)
 
     # ------------------------------------------------------------------ feeding
 

@@ -167,8 +167,9 @@ class Router:
     ) -> list[Candidate]:
         """Every candidate worker with its match and cost, best first.
 
-        Candidates are the index's workers plus any worker named in ``loads``.  The
-        request is given as to :meth:`find_matches`.
+        Candidates are the index's workers plus any worker named in ``loads``, less
+        the workers marked stale (:meth:`BlockIndex.set_stale`).  The request is given as
+        to :meth:`find_matches`.
         """
         matches = self.find_matches(
             request,
@@ -180,6 +181,7 @@ class Router:
         workers = set(self.index.workers())
         if loads:
             workers.update(loads)
+        workers -= self.index.stale_workers
         n = len(request.tokens if isinstance(request, RequestKey) else request)
         wt = self.weights
         out = []

@@ -4,10 +4,12 @@ A :class:`Source` hands the subscriber raw messages - never decoded - tagged wit
 they are (:class:`SourceMessage`): a live batch, a replayed batch, the end of a replay or a
 malformed frame.  Two sources ship:
 
-* :class:`ZmqSource` - one vLLM-compatible publisher: a SUB socket on its live endpoint
-  and, when it has a replay endpoint, a DEALER for replay (C§2.1-2.2, C§9.6).  ZMQ
-  reconnects on its own, so a publisher that goes away and comes back on the same
-  endpoint is followed without user action (its restart shows as seq going backwards).
+* :class:`ZmqSource` - one vLLM-compatible publisher endpoint (or an XSUB/XPUB proxy in
+  front of several): a SUB socket on the live endpoint and a DEALER per replay
+  endpoint.  ZMQ reconnects on its own; a socket monitor reports each disconnect and
+  reconnect, so the subscriber checks the stream's identity (by replay) before it trusts
+  what the new connection delivers: a publisher restarted on the same endpoint is
+  detected even when its seq has passed the old one.
 * :class:`CaptureSource` - a capture file (:mod:`kvevents.capture`).  A file cannot be
   asked for a replay; instead the replayed frames that were recorded answer the gaps
   *in band* (``replay_inband``), so a capture of a session that replayed reads back as
@@ -20,20 +22,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.capture import CaptureReader, SkippedRange
 from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
 from kvevents.errors import ConfigError
+from kvevents.security import CurveClientConfig, apply_curve_client
 
 __all__ = [
     "BAD_FRAME",
+    "CONNECTED",
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "DISCONNECTED",
     "LIVE",
     "REPLAY",
+    "REPLAY_DISCONNECTED",
     "REPLAY_END",
     "CaptureSource",
     "Source",
@@ -47,17 +56,23 @@ LIVE = "live"
 REPLAY = "replay"
 REPLAY_END = "replay_end"
 BAD_FRAME = "bad_frame"
+CONNECTED = "connected"
+DISCONNECTED = "disconnected"
+REPLAY_DISCONNECTED = "replay_disconnected"
 
 
 @dataclass(slots=True)
 class SourceMessage:
     """One raw message from a source.
 
-    ``kind`` is :data:`LIVE`, :data:`REPLAY`, :data:`REPLAY_END` or :data:`BAD_FRAME`.
+    ``kind`` is :data:`LIVE`, :data:`REPLAY`, :data:`REPLAY_END`, :data:`BAD_FRAME`, or a
+    connection event: :data:`CONNECTED` / :data:`DISCONNECTED` (the live socket) and
+    :data:`REPLAY_DISCONNECTED` (a replay DEALER, named by ``channel``).
     ``origin`` is the publisher it came from when that differs from the source's name (a
     capture holds many publishers), else ``""``.  ``recv_ts`` is the wall-clock receive
     time in seconds since the epoch.  ``replayed`` marks a live-path message that was
     obtained through replay when it was recorded.  ``detail`` explains a bad frame.
+    ``channel`` is the replay endpoint a replay message came through.
     """
 
     kind: str
@@ -68,6 +83,7 @@ class SourceMessage:
     origin: str = ""
     replayed: bool = False
     detail: str = ""
+    channel: str = ""
 
 
 @runtime_checkable
@@ -82,6 +98,11 @@ class Source(Protocol):
     (forget the request in flight; no reply to it may arrive afterwards).  A source with
     ``replay_inband`` answers replays with recorded :data:`LIVE` messages flagged
     ``replayed``.
+
+    Optional, for sources with a replay endpoint per topic (:class:`ZmqSource`):
+    ``replay_channel(topic) -> str | None`` names the replay endpoint serving a topic
+    (one request at a time per channel), ``request_replay(start, topic)`` and
+    ``cancel_replay(topic)`` take the topic.  A source without them has one channel.
     """
 
     @property
@@ -107,25 +128,40 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-def _binds(endpoint: str) -> bool:
-    """A wildcard address can only be bound: ``*``, ``0.0.0.0`` or ``[::]``."""
-    return "*" in endpoint or "//0.0.0.0:" in endpoint or "[::]" in endpoint
+DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+"""Default ``ZMQ_MAXMSGSIZE`` of a :class:`ZmqSource`'s sockets (64 MiB): a frame above
+it is refused by ZMQ, which drops the connection (counted; it reconnects)."""
 
-
-def _enable_ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
-    """Let ``sock`` reach an IPv6 address (``tcp://[::1]:5557``); off by default in ZMQ."""
-    if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
-        sock.setsockopt(zmq.IPV6, 1)
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_REDIAL_AFTER_S = 0.5
+"""After a drop with no reconnect attempt by libzmq within this long, dial again."""
 
 
 class ZmqSource:
-    """A vLLM-compatible publisher: SUB on ``endpoint``, DEALER on ``replay_endpoint``.
+    """A vLLM-compatible publisher: SUB on ``endpoint``, DEALERs on its replay endpoints.
 
     The SUB connects (it binds only to a wildcard address - ``*``, ``0.0.0.0``, ``[::]``
-    - for publishers that connect out, C§2.1; :attr:`bound_endpoint` then holds the bound
-    address) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's
-    receive high-water mark in messages.  The DEALER is created on the first replay and
-    closed (dropping replies in flight) by :meth:`cancel_replay`.
+    - for publishers that connect out; :attr:`bound_endpoint` then holds the bound
+    address) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's receive
+    high-water mark in messages.
+
+    Replay: ``replay_endpoint`` serves every topic; ``replay_by_topic`` maps a topic
+    (str or bytes) to its own replay endpoint, for several engines behind one XSUB/XPUB
+    proxy (each engine keeps its own ROUTER).  Each replay endpoint is a *channel*
+    (:meth:`replay_channel`) with one DEALER, created on its first replay and closed
+    (dropping replies in flight) by :meth:`cancel_replay`.  A reply without a topic
+    frame (vLLM before 0.26) is tagged with the channel's topic.
+
+    ``max_message_size`` (bytes, default :data:`DEFAULT_MAX_MESSAGE_SIZE`; 0 or None: no
+    limit) is set as ``ZMQ_MAXMSGSIZE`` on the SUB and every DEALER.  Connection events
+    (a socket monitor) come out as :data:`CONNECTED` / :data:`DISCONNECTED` messages
+    for the SUB and :data:`REPLAY_DISCONNECTED` for a DEALER, so the subscriber can
+    check a stream's identity after a reconnect and resend a lost replay request.
+
+    ``replay_rcvhwm`` bounds the replies queued on a DEALER (messages; ZMQ then stops
+    reading that connection until they are consumed: flow control, not loss).
+    ``curve`` (a :class:`~kvevents.security.CurveClientConfig`) makes the SUB and every
+    DEALER CURVE clients of a publisher that requires authentication (off by default).
     """
 
     def __init__(
@@ -134,37 +170,64 @@ class ZmqSource:
         topic: bytes = b"",
         replay_endpoint: str | None = None,
         *,
+        replay_by_topic: Mapping[str, str] | Mapping[bytes, str] | None = None,
         name: str | None = None,
         context: zmq.Context[Any] | None = None,
         rcvhwm: int = 100_000,
+        max_message_size: int | None = DEFAULT_MAX_MESSAGE_SIZE,
+        monitor: bool = True,
+        curve: CurveClientConfig | None = None,
+        replay_rcvhwm: int = 1_000,
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
-        if replay_endpoint is not None and "://" not in replay_endpoint:
-            raise ConfigError(f"not a ZMQ replay endpoint: {replay_endpoint!r}")
+        self._by_topic: dict[bytes, str] = {}
+        for t, ep in (replay_by_topic or {}).items():
+            self._by_topic[t.encode() if isinstance(t, str) else bytes(t)] = ep
+        for rep in [replay_endpoint, *self._by_topic.values()]:
+            if rep is not None and (not isinstance(rep, str) or "://" not in rep):
+                raise ConfigError(f"not a ZMQ replay endpoint: {rep!r}")
+        if max_message_size is not None and max_message_size < 0:
+            raise ConfigError(f"max_message_size must be >= 0, got {max_message_size}")
         self._name = name or endpoint
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.max_message_size = max_message_size or -1
+        self.replay_rcvhwm = replay_rcvhwm
         self._ctx = context if context is not None else zmq.Context.instance()
         self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-        _enable_ipv6_if_needed(self._sub, endpoint)
+        self._curve = curve
+        try:
+            apply_curve_client(self._sub, curve)
+        except ConfigError:
+            self._sub.close(0)
+            raise
+        enable_ipv6_if_needed(self._sub, endpoint)
+        self._monitor: zmq.Socket[bytes] | None = (
+            self._sub.get_monitor_socket(_MONITORED) if monitor else None
+        )
+        self._want_monitor = monitor
         self.bound_endpoint: str | None = None
         """The address the SUB bound (the real port for ``:0``); None when it connects."""
         try:
-            if _binds(endpoint):
+            if is_wildcard_endpoint(endpoint):
                 self._sub.bind(endpoint)
                 last = self._sub.getsockopt(zmq.LAST_ENDPOINT)
                 self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
             else:
                 self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
-            self._sub.close(0)
+            self._close_sub()
             raise ConfigError(f"cannot open {endpoint!r}: {exc}") from exc
-        self._dealer: zmq.Socket[bytes] | None = None
+        # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
+        self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
         self._closed = False
+        self.redial_at: float | None = None
+        """When :meth:`maintain` dials again (monotonic seconds), or None."""
 
     @property
     def name(self) -> str:
@@ -172,7 +235,12 @@ class ZmqSource:
 
     @property
     def can_replay(self) -> bool:
-        return self.replay_endpoint is not None
+        return self.replay_endpoint is not None or bool(self._by_topic)
+
+    @property
+    def monitored(self) -> bool:
+        """Whether connection events (:data:`CONNECTED`, ...) are reported."""
+        return self._want_monitor
 
     @property
     def replay_inband(self) -> bool:
@@ -182,16 +250,46 @@ class ZmqSource:
     def exhausted(self) -> bool:
         return self._closed
 
+    def replay_channel(self, topic: bytes = b"") -> str | None:
+        """The replay endpoint that serves ``topic`` (None: no replay for it)."""
+        return self._by_topic.get(topic, self.replay_endpoint)
+
+    def replay_channels(self) -> dict[str, bytes]:
+        """Every configured replay endpoint, with the topic it serves (``b""``: any)."""
+        out = {ep: t for t, ep in self._by_topic.items()}
+        if self.replay_endpoint is not None:
+            out.setdefault(self.replay_endpoint, b"")
+        return out
+
     def sockets(self) -> Sequence[Any]:
         if self._closed:
             return []
-        return [self._sub] if self._dealer is None else [self._sub, self._dealer]
+        out: list[Any] = [self._sub]
+        if self._monitor is not None:
+            out.append(self._monitor)
+        for dealer, mon, _ in self._dealers.values():
+            out.append(dealer)
+            if mon is not None:
+                out.append(mon)
+        return out
 
     def receive(self, limit: int) -> list[SourceMessage]:
         out: list[SourceMessage] = []
         if self._closed:
             return out
         now = time.time()
+        # Connection events first: a reconnect must be known before what it delivered.
+        if self._monitor is not None:
+            for event in _events(self._monitor):
+                if event == zmq.EVENT_CONNECT_RETRIED:
+                    self.redial_at = None  # libzmq reconnects by itself
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.redial_at = None
+                    out.append(SourceMessage(CONNECTED, recv_ts=now))
+                else:
+                    out.append(SourceMessage(DISCONNECTED, recv_ts=now))
+                    if self.bound_endpoint is None:
+                        self.redial_at = time.monotonic() + _REDIAL_AFTER_S
         sub = self._sub
         for _ in range(limit):
             try:
@@ -204,46 +302,109 @@ class ZmqSource:
                 )
             else:
                 out.append(SourceMessage(BAD_FRAME, recv_ts=now, detail=_describe_live(frames)))
-        dealer = self._dealer
-        if dealer is not None:
+        for channel, (dealer, mon, topic) in list(self._dealers.items()):
             for _ in range(limit):
                 try:
                     frames = dealer.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                out.append(_parse_replay(frames, now))
+                msg = _parse_replay(frames, now)
+                msg.channel = channel
+                if not msg.topic:
+                    msg.topic = topic
+                out.append(msg)
+            # After the replies: those already read arrived before the drop.
+            if mon is not None:
+                for event in _events(mon):
+                    if event == zmq.EVENT_DISCONNECTED:
+                        out.append(
+                            SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
+                        )
         return out
 
-    def request_replay(self, start: int) -> None:
-        if self.replay_endpoint is None:
-            raise ConfigError(f"{self._name}: no replay endpoint")
-        if self._dealer is None:
+    def maintain(self, now: float) -> None:
+        """Dial again when the live connection dropped and libzmq is not reconnecting:
+        it reconnects by itself after a network error but not after a protocol error
+        (a frame over ``max_message_size``), whose session is gone.  ``now`` is
+        ``time.monotonic()``; :attr:`redial_at` says when this is due (None: never)."""
+        if self.redial_at is None or now < self.redial_at or self._closed:
+            return
+        self.redial_at = None
+        try:
+            self._sub.disconnect(self.endpoint)  # the ended session still holds the address
+        except zmq.ZMQError:
+            pass
+        try:
+            self._sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before
+            logger.warning("%s: cannot reconnect: %s", self._name, exc)
+
+    def request_replay(self, start: int, topic: bytes = b"") -> None:
+        channel = self.replay_channel(topic)
+        if channel is None:
+            raise ConfigError(f"{self._name}: no replay endpoint for topic {topic!r}")
+        entry = self._dealers.get(channel)
+        if entry is None:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            _enable_ipv6_if_needed(dealer, self.replay_endpoint)
-            dealer.connect(self.replay_endpoint)
-            self._dealer = dealer
+            # Bounded: beyond it ZMQ stops reading the connection (flow control, no
+            # loss), so a peer that floods replies cannot grow this process's memory.
+            dealer.setsockopt(zmq.RCVHWM, self.replay_rcvhwm)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+            apply_curve_client(dealer, self._curve)
+            enable_ipv6_if_needed(dealer, channel)
+            mon = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self._want_monitor else None
+            dealer.connect(channel)
+            entry = self._dealers[channel] = (
+                dealer,
+                mon,
+                self.replay_channels().get(channel, topic),
+            )
         try:
-            self._dealer.send_multipart(pack_replay_request(start), zmq.NOBLOCK)
+            entry[0].send_multipart(pack_replay_request(start), zmq.NOBLOCK)
         except zmq.Again:
             # Not connected yet and nothing queued: the request is lost; the caller's
             # timeout reports it.
             logger.debug("%s: replay request not queued (endpoint unreachable)", self._name)
 
-    def cancel_replay(self) -> None:
-        if self._dealer is not None:
-            self._dealer.close(0)
-            self._dealer = None
+    def cancel_replay(self, topic: bytes | None = None) -> None:
+        """Close the DEALER of ``topic``'s channel (None: every channel)."""
+        channels = list(self._dealers) if topic is None else [self.replay_channel(topic)]
+        for channel in channels:
+            entry = self._dealers.pop(channel, None) if channel is not None else None
+            if entry is not None:
+                dealer, mon, _ = entry
+                if mon is not None:
+                    dealer.disable_monitor()
+                    mon.close(0)
+                dealer.close(0)
+
+    def _close_sub(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        self._sub.close(0)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.cancel_replay()
-            self._sub.close(0)
+            self._close_sub()
 
     def __repr__(self) -> str:
         return f"ZmqSource({self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
+
+
+def _events(mon: zmq.Socket[bytes]) -> list[int]:
+    """Drain a monitor socket without blocking: the event numbers."""
+    out: list[int] = []
+    while True:
+        try:
+            msg = recv_monitor_message(mon, zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        out.append(int(msg["event"]))
 
 
 def _describe_live(frames: Sequence[bytes]) -> str:

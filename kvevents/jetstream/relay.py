@@ -158,9 +158,7 @@ class JetStreamRelay:
                             context=self._ctx,
                         )
                     )
-            self.subscriber = Subscriber(
-                sources, replay_from_start=True, **(subscriber_options or {})
-            )
+            self.subscriber = Subscriber(sources, **(subscriber_options or {}))
         except BaseException:
             self._loop.close()
             raise
@@ -246,7 +244,7 @@ class JetStreamRelay:
 
     # --- relaying ---------------------------------------------------------------------
     def _headers_for(self, rb: ReceivedBatch) -> BatchHeaders | None:
-        engine = self._engine_of.get(rb.source, rb.source)
+        engine = self._engine_name(rb.source)
         cur = self._cursors.setdefault((engine, rb.dp_rank), _Cursor(0))
         if cur.skip_through is not None:
             if rb.seq <= cur.skip_through:
@@ -255,10 +253,15 @@ class JetStreamRelay:
             cur.skip_through = None
         return BatchHeaders(engine, rb.topic, rb.dp_rank, rb.seq, cur.epoch)
 
+    def _engine_name(self, worker_source: str) -> str:
+        """The engine a subscriber worker source belongs to (``NAME`` or ``NAME#topic``)."""
+        name = worker_source.partition("#")[0]
+        return self._engine_of.get(name, name)
+
     def _on_anomaly(self, a: Anomaly) -> None:
         self.stats.anomalies[a.kind] += 1
         if a.kind == PUBLISHER_RESTART and a.dp_rank is not None:
-            engine = self._engine_of.get(a.source, a.source)
+            engine = self._engine_name(a.source)
             cur = self._cursors.setdefault((engine, a.dp_rank), _Cursor(-1))
             cur.epoch += 1
             cur.skip_through = None

@@ -268,4 +268,4 @@ def test_replay_into_index_reports_the_gaps_of_a_capture(
     assert any(a["first_seq"] == 5 for a in js["anomalies"])
     assert main(["replay", str(holed), "--into-index", "-q"]) == 0
     out = capsys.readouterr().out
-    assert "anomalies (" in out and "tcp://engine-a:5557#0 seq 5..6" in out
+    assert "anomalies (" in out and "tcp://engine-a:5557#kv#0 seq 5..6" in out

@@ -28,6 +28,7 @@ from kvevents.codec import (
     pack_seq,
     parse_replay_request,
 )
+from kvevents.consumers.subscriber import worker_source
 from kvevents.errors import FrameError
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -106,6 +107,8 @@ class FaultyPublisher:
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         _bind_retrying(self.pub, endpoint)
         self.endpoint: str = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.source = worker_source(self.endpoint, topic)
+        """The ``source`` of this publisher's worker ids (endpoint#topic)."""
         self.replay_endpoint: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

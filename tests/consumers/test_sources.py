@@ -80,7 +80,7 @@ def test_recorded_session_reads_back_as_the_same_stream(tmp_path):
         again = list(replayed_sub)
     assert [x for x in view(again) if x[0] == "B"] == [x for x in view(live) if x[0] == "B"]
     losses = [x for x in view(again) if x[0] == "unrecoverable_loss"]
-    assert losses == [("unrecoverable_loss", pub.endpoint, 6, 9)]
+    assert losses == [("unrecoverable_loss", pub.source, 6, 9)]
     assert [b.recv_ts for b in again if isinstance(b, ReceivedBatch)] == [
         b.recv_ts for b in live if isinstance(b, ReceivedBatch)
     ]
@@ -212,7 +212,7 @@ def test_wildcard_endpoint_binds_for_a_publisher_that_connects_out(wildcard):
                 pub.publish(KVEventBatch(float(n), [BlockRemoved([n], "GPU")]))
                 n += 1
                 if src.sockets()[0].poll(20):
-                    got = src.receive(10)
+                    got = [m for m in src.receive(10) if m.kind == "live"]
             assert got[0].kind == "live"
     finally:
         src.close()

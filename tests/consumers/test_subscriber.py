@@ -60,7 +60,7 @@ def test_follows_live_stream_with_raw_bytes_kept():
         items = drain(sub, got_seq(29))
     got = batches_of(items)
     assert [(b.seq, b.payload) for b in got] == sent
-    assert all(b.source == pub.endpoint and b.dp_rank == 2 and b.topic == b"kv@test" for b in got)
+    assert all(b.source == pub.source and b.dp_rank == 2 and b.topic == b"kv@test" for b in got)
     assert all(not b.replayed for b in got)
     assert got[5].batch == make_batch(5, rank=2)
     assert anomalies_of(items) == []
@@ -92,17 +92,18 @@ def test_dropped_frames_are_replayed_and_stream_is_exact(legacy: bool):
     ]
     assert anomalies_of(items, "unrecoverable_loss") == []
     assert sub.stats.lost_batches == 0
-    assert sub.stats.replays["completed"] == 4
-    assert pub.requests == [3, 7, 15, 39]
+    # The start-up catch-up, then one replay per gap from the last applied seq.
+    assert sub.stats.replays["completed"] == 5
+    assert pub.requests == [0, 2, 6, 14, 38]
 
 
 def test_live_traffic_during_a_replay_is_merged_in_order():
-    with FaultyPublisher(hold_replay=True) as pub, connect(pub) as sub:
+    with FaultyPublisher(hold_replay=True) as pub, connect(pub, catch_up=False) as sub:
         sent = pub.publish_many((make_batch(i) for i in range(10)), skip={2})
         items = drain(sub, lambda it: len(pub.requests) == 1 and len(it) >= 3)
         # While the replay is held, more live traffic arrives and must be buffered.
         sent += pub.publish_many(make_batch(i) for i in range(10, 20))
-        items += drain(sub, lambda it: sub._trackers[(pub.endpoint, 0)].pending == 17, 5)
+        items += drain(sub, lambda it: sub._streams[(pub.source, 0)].tracker.pending == 17, 5)
         assert batches_of(items)[-1].seq == 1
         pub.release.set()
         items += drain(sub, lambda it: got_seq(19)(it) and sub.stats.replays["completed"] == 1)
@@ -119,7 +120,8 @@ def test_publisher_restart_is_reported_and_new_stream_followed():
         items += drain(sub, lambda it: len(batches_of(it)) == 5)
     restarts = anomalies_of(items, "publisher_restart")
     assert len(restarts) == 1 and restarts[0].needs_reset
-    assert (restarts[0].first_seq, restarts[0].last_seq) == (0, 9)
+    # Seq 0 contradicted the applied one; the replay from seq 9 held nothing: new process.
+    assert (restarts[0].first_seq, restarts[0].last_seq) == (None, 9)
     after = batches_of(items[items.index(restarts[0]) :])
     assert [(b.seq, b.payload) for b in after] == new
 
@@ -132,11 +134,11 @@ def test_restart_with_missed_start_replays_the_new_stream_start():
         new = pub.publish_many((make_batch(i, tag=1) for i in range(6)), skip={0, 1})
         items += drain(sub, lambda it: len(batches_of(it)) == 6)
     restart = anomalies_of(items, "publisher_restart")
-    assert [(a.first_seq, a.last_seq) for a in restart] == [(2, 9)]
+    assert [(a.first_seq, a.last_seq) for a in restart] == [(None, 9)]
     after = batches_of(items[items.index(restart[0]) :])
     assert [(b.seq, b.payload) for b in after] == new
     assert [b.replayed for b in after[:2]] == [True, True]
-    assert pub.requests == [0]
+    assert pub.requests == [0, 9, 0]  # catch-up, identity check, resync
 
 
 def test_replay_buffer_too_small_reports_unrecoverable_loss():
@@ -153,10 +155,10 @@ def test_replay_buffer_too_small_reports_unrecoverable_loss():
     assert sub.stats.lost_batches == 4
 
 
-def test_late_joiner_catches_up_through_replay_from_start():
+def test_late_joiner_catches_up_through_the_deprecated_replay_from_start():
     with FaultyPublisher() as pub:
         early = pub.publish_many(make_batch(i) for i in range(25))  # nobody listening
-        with connect(pub, replay_from_start=True) as sub:
+        with pytest.warns(DeprecationWarning), connect(pub, replay_from_start=True) as sub:
             late = pub.publish_many(make_batch(i) for i in range(25, 30))
             items = drain(sub, got_seq(29))
     got = batches_of(items)
@@ -168,24 +170,33 @@ def test_late_joiner_catches_up_through_replay_from_start():
 def test_late_joiner_catches_up_before_any_new_traffic():
     with FaultyPublisher(buffer_steps=8) as pub:
         early = pub.publish_many(make_batch(i) for i in range(20))  # nobody listening
-        with Subscriber(
-            pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
-        ) as sub:
+        with Subscriber(pub.endpoint, replay_endpoints=[pub.replay_endpoint]) as sub:
             items = drain(sub, got_seq(19))
     # Only the last 8 were still buffered: the rest is reported, never silently skipped.
-    assert summarize(items) == ["unrecoverable_loss(0..11)"] + [f"B{i}r" for i in range(12, 20)]
+    assert summarize(items) == ["history_missed(0..11)"] + [f"B{i}r" for i in range(12, 20)]
     assert [b.payload for b in batches_of(items)] == [p for _, p in early[12:]]
     assert pub.requests == [0] and sub.stats.replays["catch_up"] == 1
 
 
-def test_late_joiner_without_replay_from_start_follows_from_first_seen():
+def test_late_joiner_without_catch_up_follows_from_first_seen_and_says_so():
     with FaultyPublisher() as pub:
         pub.publish_many(make_batch(i) for i in range(5))
-        with connect(pub) as sub:
+        with connect(pub, catch_up=False) as sub:
             pub.publish_many(make_batch(i) for i in range(5, 8))
             items = drain(sub, got_seq(7))
-    assert [b.seq for b in batches_of(items)] == [5, 6, 7]
+    assert summarize(items) == ["history_missed(0..4)", "B5", "B6", "B7"]
     assert pub.requests == []
+    assert sub.stats.missed_batches == 5
+
+
+def test_late_joiner_catches_up_by_default():
+    with FaultyPublisher() as pub:
+        sent = pub.publish_many(make_batch(i) for i in range(5))
+        with connect(pub) as sub:
+            sent += pub.publish_many(make_batch(i) for i in range(5, 8))
+            items = drain(sub, got_seq(7))
+    assert [(b.seq, b.payload) for b in batches_of(items)] == sent
+    assert anomalies_of(items) == []
 
 
 def test_dead_replay_endpoint_never_stalls_the_live_stream():
@@ -198,6 +209,7 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
             replay_endpoints=[dead.replay_endpoint, healthy.replay_endpoint],
             replay_timeout=1.5,
             replay_cooldown=60,
+            catch_up=False,
         ) as sub,
     ):
         dead.wait_for_subscribers()
@@ -207,18 +219,18 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
         # The other publisher keeps flowing while the dead endpoint is being waited on.
         healthy.publish_many(make_batch(i) for i in range(5))
         t0 = time.monotonic()
-        items += drain(sub, got_seq(4, healthy.endpoint))
+        items += drain(sub, got_seq(4, healthy.source))
         assert anomalies_of(items, "replay_timeout") == []
         assert time.monotonic() - t0 < 1.5
-        items += drain(sub, got_seq(5, dead.endpoint))
+        items += drain(sub, got_seq(5, dead.source))
         # A second gap inside the cooldown is reported lost at once, no new request.
         dead.publish_many((make_batch(i) for i in range(6, 10)), skip={7})
-        items += drain(sub, got_seq(9, dead.endpoint))
+        items += drain(sub, got_seq(9, dead.source))
     timeouts = anomalies_of(items, "replay_timeout")
-    assert len(timeouts) == 1 and timeouts[0].source == dead.endpoint
+    assert len(timeouts) == 1 and timeouts[0].source == dead.source
     losses = anomalies_of(items, "unrecoverable_loss")
     assert [(a.first_seq, a.last_seq) for a in losses] == [(2, 2), (7, 7)]
-    assert [b.seq for b in batches_of(items) if b.source == dead.endpoint] == [
+    assert [b.seq for b in batches_of(items) if b.source == dead.source] == [
         0,
         1,
         3,
@@ -228,7 +240,7 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
         8,
         9,
     ]
-    assert dead.requests == [2]
+    assert dead.requests == [1]  # from the last applied seq
     assert sub.stats.replays["timed_out"] == 1 and sub.stats.replays["cooldown"] == 1
 
 
@@ -260,7 +272,7 @@ def test_without_replay_endpoint_a_gap_is_reported_lost():
         pub.publish_many((make_batch(i) for i in range(5)), skip={1, 2})
         items = drain(sub, got_seq(4))
     assert summarize(items) == ["B0", "gap(1..2)", "unrecoverable_loss(1..2)", "B3", "B4"]
-    assert sub.stats.replays["unavailable"] == 1
+    assert sub.stats.replays["requested"] == 0
 
 
 def test_replays_are_bounded_in_concurrency():
@@ -294,7 +306,7 @@ def test_replays_are_bounded_in_concurrency():
             lambda it: sum(isinstance(i, ReceivedBatch) and i.seq == 3 for i in items + it) == 2,
         )
     for pub, sent in ((a, sent_a), (b, sent_b)):
-        got = [x for x in batches_of(items) if x.source == pub.endpoint]
+        got = [x for x in batches_of(items) if x.source == pub.source]
         assert [(x.seq, x.payload) for x in got] == sent
 
 
@@ -321,7 +333,7 @@ def test_bad_frames_and_undecodable_payloads_are_counted_and_skipped():
 
 
 def test_undecodable_payload_with_replay_is_reported_as_loss_once_replay_confirms():
-    with FaultyPublisher() as pub, connect(pub) as sub:
+    with FaultyPublisher() as pub, connect(pub, catch_up=False) as sub:
         pub.publish(make_batch(0))
         pub.publish_raw(b"\xc1")
         pub.publish(make_batch(2))
@@ -352,9 +364,7 @@ def test_rank_none_on_the_wire_reads_as_rank_zero():
         pub.wait_for_subscribers()
         pub.publish(make_batch(0, rank=None))
         (item,) = drain(sub, lambda it: len(it) == 1)
-    assert (
-        isinstance(item, ReceivedBatch) and item.dp_rank == 0 and item.worker == (pub.endpoint, 0)
-    )
+    assert isinstance(item, ReceivedBatch) and item.dp_rank == 0 and item.worker == (pub.source, 0)
 
 
 def test_publisher_process_replaced_on_same_endpoint_is_followed():
@@ -371,12 +381,17 @@ def test_publisher_process_replaced_on_same_endpoint_is_followed():
         with FaultyPublisher(endpoint=path, replay_endpoint=rpath) as second:
             stray: list[object] = []
             second.wait_for_subscribers(pump=lambda: stray.append(sub.receive(0.01)))
-            assert [x for x in stray if x is not None] == []
+            # The reconnect alone is checked: the new ring holds nothing from seq 7 on.
+            items += [x for x in stray if x is not None]
+            items += drain(sub, lambda it: anomalies_of(items + it, "publisher_restart"))
+            assert batches_of(items)[-1].seq == 7
             new = second.publish_many(make_batch(i, tag=2) for i in range(4))
             items += drain(sub, lambda it: len(batches_of(it)) == 4)
     finally:
         sub.close()
+    assert sub.stats.connections["disconnected"] >= 1
     (restart,) = anomalies_of(items, "publisher_restart")
+    assert (restart.first_seq, restart.last_seq) == (None, 7)
     after = batches_of(items[items.index(restart) :])
     assert [(b.seq, b.payload) for b in after] == new
 
@@ -414,5 +429,7 @@ def test_source_objects_and_topic_filtering():
             other.publish_many(make_batch(i) for i in range(3))
             pub.publish_many((make_batch(i) for i in range(3)), skip={1})
             items = drain(sub, got_seq(2))
-    assert [(b.source, b.seq) for b in batches_of(items)] == [("engine-a", i) for i in range(3)]
+    assert [(b.source, b.seq) for b in batches_of(items)] == [
+        ("engine-a#kv@test", i) for i in range(3)
+    ]
     assert decode_batch(batches_of(items)[1].payload) == make_batch(1)

@@ -74,7 +74,7 @@ def test_follow_engines_gets_every_batch_and_joins_the_cpu_placeholders(
     eps: Callable[[str], tuple[str, str]],
 ) -> None:
     ep, rep = eps("a")
-    follower = start("follow_engines.py", ep, "--replay-endpoint", rep, "--from-start",
+    follower = start("follow_engines.py", ep, "--replay-endpoint", rep,
                      "--idle", "2", "--duration", "60", "--json")  # fmt: skip
     wait_for_line(follower, "following")
     totals = engine(ep, rep, *ENGINE_RUN)
@@ -91,7 +91,7 @@ def test_follow_engines_gets_every_batch_and_joins_the_cpu_placeholders(
 
 def test_follow_engines_resets_a_restarted_engine(eps: Callable[[str], tuple[str, str]]) -> None:
     ep, rep = eps("b")
-    follower = start("follow_engines.py", ep, "--replay-endpoint", rep, "--from-start",
+    follower = start("follow_engines.py", ep, "--replay-endpoint", rep,
                      "--idle", "4", "--duration", "60", "--json")  # fmt: skip
     wait_for_line(follower, "following")
     first = engine(ep, rep, *ENGINE_RUN)
@@ -126,7 +126,7 @@ def test_route_prompts_sends_each_tenant_to_the_engine_holding_its_prefix(
 
 def test_async_consumer_follows_on_asyncio(eps: Callable[[str], tuple[str, str]]) -> None:
     ep, rep = eps("c")
-    consumer = start("async_consumer.py", ep, "--replay-endpoint", rep, "--from-start",
+    consumer = start("async_consumer.py", ep, "--replay-endpoint", rep,
                      "--idle", "2", "--duration", "60", "--every", "0.2")  # fmt: skip
     wait_for_line(consumer, "following")
     totals = engine(ep, rep, *ENGINE_RUN)
@@ -160,7 +160,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_prometheus_consumer_serves_the_counters(eps: Callable[[str], tuple[str, str]]) -> None:
     ep, rep = eps("d")
     port = free_port()
-    consumer = start("prometheus_consumer.py", ep, "--replay-endpoint", rep, "--from-start",
+    consumer = start("prometheus_consumer.py", ep, "--replay-endpoint", rep,
                      "--port", str(port), "--idle", "4", "--duration", "60")  # fmt: skip
     wait_for_line(consumer, "following")
     totals = engine(ep, rep, *ENGINE_RUN)

@@ -84,7 +84,7 @@ def direct_index(specs: list[EngineSpec], expect_batches: int) -> BlockIndex:
     sources = [
         ZmqSource(s.events_endpoint or "", b"", s.replay_endpoint, name=s.name) for s in specs
     ]
-    with Subscriber(sources, replay_from_start=True) as sub:
+    with Subscriber(sources) as sub:
         index, anomalies = consume(sub, expect_batches)
     assert not [a for a in anomalies if a.needs_reset]
     return index
