@@ -15,8 +15,9 @@ split into runs of consecutive rows, either on the destination side (one NumPy
 ``take(src, idx, out=dst[run])`` per run) or on the source side (one ``dst[idx] =
 src[run]`` per run), whichever gives fewer calls; there is no Python loop per block.
 NumPy's row gather/scatter moves each row as one contiguous block (torch's CPU
-``index_copy_`` ran at ~0.7x of a plain copy).  Rows are viewed with the widest integer type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is one asynchronous
-copy on a side stream that waits for the compute stream; transfers stay in submission
+``index_copy_`` ran at ~0.7x of a plain copy).  Rows are viewed with the widest integer
+type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is
+one asynchronous copy on a side stream that waits for the compute stream; transfers stay in submission
 order and report their device time.
 
 :class:`CPUTransferWorker` reports completion through
@@ -275,7 +276,7 @@ class CPUTransferWorker:
         # (``np.take(src, idx, out=dst[run])``), or scatter each run of consecutive
         # source rows (``dst[idx] = src[run]``), whichever needs fewer calls.  Rows are
         # viewed with the widest integer type that tiles them.  NumPy's fancy-index copy
-        # moves whole rows with one memcpy each; torch's CPU ``index_copy_`` ran at ~0.7x
+        # moves each row as one contiguous block; torch's CPU ``index_copy_`` ran at ~0.7x
         # of a plain copy here, NumPy's at ~1x.
         src_pos, dst_pos = (plan.blocks, plan.rows) if store else (plan.rows, plan.blocks)
         if store:
