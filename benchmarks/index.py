@@ -10,6 +10,14 @@
   workers, each holding a random-length prefix of the prompt on GPU and the next chunks
   on CPU.  Baseline: a naive per-worker walk over the prompt's content keys (GPU only,
   key computation included).
+* ``find_matches`` with request keys: the same fleet shape (100 workers, 8k-token
+  prompt, GPU prefix and CPU chunks) stored by LoRA requests (the adapter name in every
+  block's extra keys) and by requests with two images (``(identifier, offset)`` extra
+  keys on the blocks they overlap), queried with the matching request key.  Baseline:
+  the plain-token fleet queried with plain tokens, in the same run.  Also the same
+  fleet on a hybrid model (a full-attention and a 1,024-token sliding-window group, the
+  window group dropping a different random tail), whose workers the router looks up one
+  by one with vLLM's hybrid rules; baseline: the single-group fleet.
 * ``bytes per entry``: tracemalloc'd index memory per resident (block, worker, tier)
   entry (400 GPU blocks and 50 CPU chunks per worker, fed as decoded wire batches), for
   workers sharing prefixes and for workers with unique content.
@@ -38,6 +46,7 @@ from kvevents.consumers.index import BlockIndex, _ck
 from kvevents.consumers.index import _gpu as _gpu_refs
 from kvevents.consumers.router import Router
 from kvevents.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from kvevents.request import MMFeature, RequestKey, block_extra_keys
 
 BS = 16
 BPC = 4
@@ -227,6 +236,89 @@ def bench_find(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+def populate_keyed(
+    workers: int, key: RequestKey, rng: random.Random, window: int = 0
+) -> BlockIndex:
+    """``workers`` workers each hold a random GPU prefix of ``key`` and the next chunks on
+    CPU, stored with the request's extra keys as vLLM's BlockPool emits them; with a
+    ``window``, a second (sliding-window) group holds them too and drops its own tail."""
+    index = BlockIndex(blocks_per_chunk=BPC)
+    nblocks = len(key.tokens) // BS
+    hashes = [rng.getrandbits(64) for _ in range(nblocks)]
+    extras = [block_extra_keys(key, i * BS, (i + 1) * BS) for i in range(nblocks)]
+    groups = [(0, "full_attention", None)] + ([(1, "sliding_window", window)] if window else [])
+    for w in range(workers):
+        held = rng.randrange(nblocks + 1)
+        for g, kind, win in groups:
+            gpu = rng.randrange(held + 1)
+            if held:
+                ex = extras[:held]
+                index.apply_event(
+                    ("w", w),
+                    BlockStored(hashes[:held], None, list(key.tokens[: held * BS]), BS, None,
+                                "GPU", key.lora_name, extra_keys=ex if any(ex) else None,
+                                group_idx=g, kv_cache_spec_kind=kind,
+                                kv_cache_spec_sliding_window=win),
+                )  # fmt: skip
+            for c in range(held // BPC):
+                index.apply_event(
+                    ("w", w),
+                    BlockStored([hashes[(c + 1) * BPC - 1]], None, [], 0, None, "CPU", None,
+                                group_idx=g),
+                )  # fmt: skip
+            for h in hashes[gpu:held]:
+                index.apply_event(("w", w), BlockRemoved([h], "GPU", group_idx=g))
+    return index
+
+
+def bench_request_keys(quick: bool) -> list[dict[str, Any]]:
+    """find_matches with LoRA and multimodal request keys vs plain tokens, same fleet."""
+    rng = random.Random(11)
+    n = 8192
+    workers = 100
+    prompt = [rng.randrange(50_000) for _ in range(n)]
+    images = [MMFeature("image-a", 100, 576), MMFeature("image-b", 3000, 576)]
+    cases = [
+        ("plain tokens", RequestKey(prompt)),
+        ("LoRA request", RequestKey(prompt, lora_name="adapter-7")),
+        ("2-image request", RequestKey(prompt, mm_features=images)),
+    ]
+    reps = 20 if quick else 400
+    rounds = 1 if quick else 5
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    routers = []
+    for label, key in cases:
+        index = populate_keyed(workers, key, random.Random(5))
+        router = Router(index)
+        query: Any = key.tokens if label == "plain tokens" else key
+        assert router.find_matches(query), label  # every fleet holds something
+        routers.append((label, router, query))
+    gc.collect()
+    for _ in range(rounds):  # interleaved, so drift hits every case alike
+        for label, router, query in routers:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                router.find_matches(query)
+                times[label].append(time.perf_counter() - t0)
+    hybrid = populate_keyed(workers, cases[0][1], random.Random(5), window=1024)
+    hrouter = Router(hybrid)
+    assert hrouter.find_matches(prompt)
+    times["hybrid full + sliding window"] = []
+    for _ in range(rounds):
+        for _ in range(reps // 4):
+            t0 = time.perf_counter()
+            hrouter.find_matches(prompt)
+            times["hybrid full + sliding window"].append(time.perf_counter() - t0)
+    p50 = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    base = p50["plain tokens"]
+    out = [result(f"find_matches 8k tok x {workers} w, plain tokens p50", base, "ms")]
+    for label in ("LoRA request", "2-image request", "hybrid full + sliding window"):
+        out.append(
+            result(f"find_matches 8k tok x {workers} w, {label} p50", p50[label], "ms", base)
+        )
+    return out
+
+
 def bench_memory(quick: bool) -> list[dict[str, Any]]:
     out = []
     workers = 20 if quick else 100
@@ -265,9 +357,46 @@ def bench_memory(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+def bench_content_keys(quick: bool) -> list[dict[str, Any]]:
+    """The stable content key (xxh3-64 chained by seed over packed int64 token ids)
+    against the process-local scheme it replaced (CPython's tuple hash over unit tuples),
+    for an 8k-token prompt at 16-token units."""
+    from kvevents.consumers.content import prompt_keys
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(150_000) for _ in range(8192)]
+
+    def tuple_hash_keys() -> list[int]:
+        k, out = 0, []
+        for unit in zip(*[iter(tokens)] * 16):
+            k = hash((k, unit))
+            out.append(k)
+        return out
+
+    reps = 50 if quick else 400
+
+    def best(fn: Any) -> float:
+        b = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            b = min(b, time.perf_counter() - t)
+        return b * 1e3
+
+    old = best(tuple_hash_keys)
+    new = best(lambda: prompt_keys(tokens, 16))
+    return [result("content keys of an 8k-token prompt (xxh3 vs tuple hash)", new, "ms", old)]
+
+
 def main() -> None:
     args = parse_args(__doc__ or "")
-    results = bench_apply(args.quick) + bench_find(args.quick) + bench_memory(args.quick)
+    results = (
+        bench_apply(args.quick)
+        + bench_find(args.quick)
+        + bench_request_keys(args.quick)
+        + bench_content_keys(args.quick)
+        + bench_memory(args.quick)
+    )
     report("index", results)
 
 

@@ -55,6 +55,7 @@ from kvevents.events import (
     KVEvent,
     KVEventBatch,
 )
+from kvevents.request import MMFeature, RequestKey
 
 __version__ = "0.1.0"
 
@@ -84,9 +85,11 @@ __all__ = [
     "KVEventBatch",
     "KVEventsError",
     "LiveMessage",
+    "MMFeature",
     "OffloadError",
     "PublisherClosedError",
     "ReplayReply",
+    "RequestKey",
     "WireShape",
     "__version__",
     "decode_batch",

@@ -98,12 +98,28 @@ def _print_anomaly(anomaly: Any, stream: IO[str]) -> None:
 def _cmd_record(args: argparse.Namespace) -> int:
     from kvevents.capture import CaptureWriter
     from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
+    from kvevents.endpoints import is_wildcard_endpoint, require_connect
 
     replay = args.replay_endpoint or None
     if replay is not None and len(replay) != len(args.endpoints):
         raise ConfigError(
             f"give one --replay-endpoint per endpoint ({len(args.endpoints)}), got {len(replay)}"
         )
+    for endpoint in args.endpoints:
+        if not args.listen:
+            require_connect(
+                endpoint,
+                "kvevents record",
+                alternative="or pass --listen to accept engines that connect out to this host",
+            )
+        elif not is_wildcard_endpoint(endpoint):
+            raise ConfigError(
+                f"kvevents record --listen binds, but {endpoint!r} is not an address to listen "
+                "on: use tcp://*:PORT (engines then publish to tcp://THIS_HOST:PORT), or drop "
+                "--listen to connect to an engine that binds"
+            )
+    for endpoint in replay or []:
+        require_connect(endpoint, "kvevents record --replay-endpoint")
     meta = {
         "endpoints": list(args.endpoints),
         "replay_endpoints": list(replay or []),
@@ -359,11 +375,14 @@ def _progress(total: int, desc: str, *, disable: bool) -> Any:
 def _replay_publish(args: argparse.Namespace) -> int:
     from kvevents.capture import CaptureReader
     from kvevents.codec import BatchDecoder
+    from kvevents.endpoints import require_bind
     from kvevents.errors import DecodeError
     from kvevents.publishers import KVEventsConfig, create_publisher
 
     if args.speed is not None and args.speed <= 0:
         raise ConfigError("--speed must be > 0")
+    for endpoint in args.publish:
+        require_bind(endpoint, "kvevents replay --publish")
     with CaptureReader(args.file) as reader:
         records = [r for r in reader if args.source is None or r.source == args.source]
         tail_error = reader.tail_error
@@ -519,7 +538,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.policy:
         overrides["policies"] = tuple(dict.fromkeys(args.policy))
     if args.endpoint:
-        overrides["bind"] = args.endpoint
+        from kvevents.endpoints import require_bind
+
+        overrides["bind"] = require_bind(args.endpoint, "kvevents demo --endpoint")
     if args.device:
         overrides["device"] = args.device
     if args.record:
@@ -580,7 +601,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C / SIGTERM, after --duration seconds or --count batches; the file is "
         "always left complete.",
     )
-    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="publisher PUB endpoint(s)")
+    p.add_argument(
+        "endpoints",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="publisher PUB endpoint(s) to connect to, e.g. tcp://ENGINE_HOST:5557 "
+        "(an engine with vLLM's default tcp://*:5557 binds there)",
+    )
+    p.add_argument(
+        "--listen",
+        action="store_true",
+        help="listen on the ENDPOINT(s) (tcp://*:PORT) for engines whose endpoint connects "
+        "out (tcp://THIS_HOST:PORT) instead of connecting to engines that bind",
+    )
     p.add_argument("-o", "--output", required=True, help="capture file to write (.kvcap)")
     p.add_argument(
         "--append",
@@ -640,8 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ENDPOINT",
-        help="PUB endpoint to republish on (once per publisher in the capture; DP ranks use "
-        "vLLM's port offsets)",
+        help="PUB endpoint to listen on, e.g. tcp://*:6700 (once per publisher in the "
+        "capture; DP ranks use vLLM's port offsets)",
     )
     p.add_argument(
         "--replay-endpoint",
@@ -677,8 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="simulated engines + subscriber + index + router: compare routing policies",
         description="Run simulated engines on loopback, subscribe to their KV events, build "
-        "the block index and route a seeded chat workload with the KV-aware router, "
-        "round-robin and random; print hit rates per tier and write a plot.",
+        "the block index and route a seeded chat workload with the KV-aware router, the "
+        "same router fed GPU events only, round-robin and random; print hit rates per "
+        "tier and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
     p.add_argument("--engines", type=int, help="number of engines")
@@ -688,8 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         action="append",
-        choices=["kv-aware", "round-robin", "random"],
-        help="run only this policy (repeatable; default: all three)",
+        choices=["kv-aware", "kv-aware-gpu", "round-robin", "random"],
+        help="run only this policy (repeatable; default: all four; kv-aware-gpu: a "
+        "KV-aware router fed GPU events only)",
     )
     p.add_argument(
         "--endpoint",

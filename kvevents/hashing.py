@@ -1,6 +1,6 @@
-"""Block hashing: vLLM-compatible engine hashes and the router's own content keys.
+"""Block hashing as a vLLM engine does it (the simulator emits the same hashes).
 
-Engine hashes (C§4.1) are what a vLLM engine puts on the wire::
+Engine hashes are what a vLLM engine puts on the wire::
 
     digest(block) = H((parent_digest or NONE_HASH, tuple(token_ids), extra_keys or None))
     NONE_HASH     = H(seed)          # seed: $PYTHONHASHSEED, else "vllm-none-hash"
@@ -8,11 +8,8 @@ Engine hashes (C§4.1) are what a vLLM engine puts on the wire::
 
 where ``H`` is SHA-256 of ``pickle.dumps(obj, HIGHEST_PROTOCOL)`` (``"sha256"``) or of
 ``cbor2.dumps(obj, canonical=True)`` (``"sha256_cbor"``).  The simulator uses these to
-emit the same hashes as a real engine.
-
-Content keys are the router's: a chained 64-bit key over a block's tokens, the LoRA name
-and the event-side extra keys, independent of any engine's algorithm or seed.  Two
-engines holding the same tokens under the same adapter produce the same content keys.
+emit the same hashes as a real engine.  The router's own content keys, independent of
+any engine's algorithm or seed, are in :mod:`kvevents.consumers.content`.
 """
 
 from __future__ import annotations
@@ -20,16 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
     "HASH_ALGORITHMS",
-    "ROOT_CONTENT_KEY",
-    "ContentKey",
-    "content_key",
-    "content_keys",
     "hash_block_tokens",
     "hash_function",
     "hash_request_blocks",
@@ -127,58 +120,3 @@ def hash_request_blocks(
 def to_wire_hash(digest: bytes) -> int:
     """The int a vLLM publisher sends for ``digest``: its last 8 bytes, big-endian."""
     return int.from_bytes(digest[-8:], "big")
-
-
-# --- content keys ------------------------------------------------------------------------
-
-ContentKey = int
-"""A 64-bit chained key of a block's content, as used by the router's index."""
-
-ROOT_CONTENT_KEY: ContentKey = 0
-"""The parent key of a sequence's first block."""
-
-_MASK = (1 << 64) - 1
-
-
-def content_key(
-    parent: ContentKey,
-    token_ids: Sequence[int],
-    lora_name: str | None = None,
-    extra: Any = None,
-) -> ContentKey:
-    """The content key of one block chained on ``parent``.
-
-    Deterministic across processes and machines (BLAKE2b over a fixed encoding), and
-    independent of any engine hash algorithm or seed.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little"))
-    h.update(len(token_ids).to_bytes(4, "little"))
-    for t in token_ids:
-        h.update((t & 0xFFFFFFFF).to_bytes(4, "little"))
-    if lora_name is not None:
-        h.update(b"\x01lora\x00" + lora_name.encode("utf-8"))
-    if extra is not None:
-        h.update(b"\x02extra\x00" + repr(extra).encode("utf-8"))
-    return int.from_bytes(h.digest(), "little") & _MASK
-
-
-def content_keys(
-    token_ids: Sequence[int],
-    block_size: int,
-    lora_name: str | None = None,
-    extras: Iterable[Any] | None = None,
-    parent: ContentKey = ROOT_CONTENT_KEY,
-) -> list[ContentKey]:
-    """Content keys of every full block of ``token_ids`` at ``block_size`` tokens."""
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    extra_list = list(extras) if extras is not None else None
-    out: list[ContentKey] = []
-    for i in range(len(token_ids) // block_size):
-        extra = extra_list[i] if extra_list is not None and i < len(extra_list) else None
-        parent = content_key(
-            parent, token_ids[i * block_size : (i + 1) * block_size], lora_name, extra
-        )
-        out.append(parent)
-    return out

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvevents.errors import ConfigError
 from kvevents.hashing import (
-    content_keys,
     hash_block_tokens,
     hash_request_blocks,
     none_hash,
@@ -81,15 +78,3 @@ def test_wire_hash_is_last_8_bytes() -> None:
 def test_unknown_algorithm() -> None:
     with pytest.raises(ConfigError, match="sha256_cbor"):
         none_hash("md5")
-
-
-@given(st.lists(st.integers(0, 2**31 - 1), max_size=64), st.sampled_from([1, 4, 16]))
-def test_content_keys_chain_over_the_prefix(tokens: list[int], bs: int) -> None:
-    keys = content_keys(tokens, bs)
-    assert len(keys) == len(tokens) // bs
-    # A prefix of the prompt has a prefix of the keys; a change in block 0 changes all.
-    assert content_keys(tokens[: bs * (len(keys) // 2)], bs) == keys[: len(keys) // 2]
-    if keys:
-        changed = [tokens[0] + 1, *tokens[1:]]
-        assert all(a != b for a, b in zip(content_keys(changed, bs), keys))
-        assert content_keys(tokens, bs, lora_name="a")[0] != keys[0]

@@ -22,9 +22,15 @@ Model
   out, cleared or reset before it joins is counted as unjoined, never guessed.
 * Matching is by *content*: every engine block ends at a canonical unit boundary
   (``canonical_block_size`` tokens) whose chained key over tokens, LoRA name and extra
-  keys is independent of the engine's hash algorithm and seed.  A content-key → worker
-  bitset map per tier lets the router walk a prompt's keys once for all workers
-  (see :mod:`kvevents.consumers.router`).
+  keys is independent of the engine's hash algorithm and seed
+  (:mod:`kvevents.consumers.content`).  A content-key → worker bitset map per tier lets
+  the router walk a prompt's keys once for all workers (see
+  :mod:`kvevents.consumers.router`).  Marks are counted: two engine blocks of one group
+  with the same content key are two references.
+* Groups keep their kind and window (``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``) for the router's hybrid lookup, and their block size
+  is the largest GPU block size seen: a smaller store is a partial tail, kept but never
+  matched.
 * Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
   that the least recently stored entries of the biggest worker are evicted and counted.
 
@@ -46,7 +52,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from kvevents.consumers.content import ROOT_KEY, extra_key, root_key
+from xxhash import xxh3_64_intdigest as xxh
+
+from kvevents.consumers.content import (
+    ROOT_KEY,
+    EventExtras,
+    chain_block,
+    chain_units,
+    lookahead_key,
+    lookahead_mm,
+    pack_tokens,
+    root_key,
+    split_extras,
+)
 from kvevents.errors import ConfigError
 from kvevents.events import (
     MEDIUM_CPU,
@@ -97,6 +115,13 @@ _TIER_OF: dict[str | None, int] = {
     MEDIUM_STORAGE: 2,
     **_MEDIUM_ALIASES,
 }
+_SW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+_LOCAL_KINDS = frozenset({"chunked_local_attention"})
+# Kinds vLLM's prefix cache does not consult (encoder outputs, cross attention).
+_IGNORED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
+# Kinds whose blocks get content keys: prefix-indexable ones, and the windowed kinds the
+# hybrid lookup judges from their own blocks.
+_KEYED_KINDS = PREFIX_INDEXABLE_SPEC_KINDS | _SW_KINDS | _LOCAL_KINDS
 _PLACEHOLDER_TIER: dict[str | None, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **_MEDIUM_ALIASES}
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
@@ -104,14 +129,16 @@ _PLACEHOLDER_TIER: dict[str | None, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **
 #   bits 65-84 end position in blocks + 1 (0: unknown), bits 85-104 block size,
 #   bits 105-169 parent hash + 1 (0: none), bits 170+ the GPU refcount.
 # Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
-# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens, gpu refs).
+# out of range are a tuple (ck, end_blocks, parent, size, lora, extra, tokens, gpu refs),
+# plus a ninth field, the chain key children build on, when it differs from ck (the mark
+# key of a block hashed with lookahead tokens).
 # Keeping the GPU refcount in the record saves a dict slot per GPU block.
-_CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS, _GPU = range(8)
+_CK, _END, _PARENT, _SIZE, _LORA, _EXTRA, _TOKENS, _GPU, _CHAIN = range(9)
 _Meta = Union[int, tuple[Any, ...]]
 _M64 = (1 << 64) - 1
 _M20 = (1 << 20) - 1
 _HAS_CK = 1 << 64
-_OFF = 1 << 63
+_OFF = 0  # content keys are unsigned 64-bit (kept as a name: the field's offset)
 _M65 = (1 << 65) - 1
 _GSHIFT = 170
 _G1 = 1 << _GSHIFT
@@ -126,7 +153,10 @@ def _pack(
     lora: str | None = None,
     extra: Any = None,
     tokens: tuple[int, ...] | None = None,
+    chain: int | None = None,
 ) -> _Meta:
+    if chain is not None and chain != ck:
+        return (ck, end_blocks, parent, size, lora, extra, tokens, 0, chain)
     if (
         lora is None
         and extra is None
@@ -158,7 +188,7 @@ def _add_gpu(m: _Meta, delta: int) -> _Meta:
     """The record with its GPU refcount changed by ``delta``."""
     if isinstance(m, int):
         return m + delta * _G1
-    return (*m[:_GPU], m[_GPU] + delta)
+    return (*m[:_GPU], m[_GPU] + delta, *m[_CHAIN:])
 
 
 def _ck(m: _Meta) -> int | None:
@@ -166,6 +196,21 @@ def _ck(m: _Meta) -> int | None:
         return (m & _M64) - _OFF if m & _HAS_CK else None
     ck: int | None = m[_CK]
     return ck
+
+
+def _chain(m: _Meta) -> int | None:
+    """The key children of this block chain on (its content key unless it has lookahead)."""
+    if isinstance(m, int):
+        return (m & _M64) - _OFF if m & _HAS_CK else None
+    ck: int | None = m[_CHAIN] if len(m) > _CHAIN else m[_CK]
+    return ck
+
+
+def _unkeyed(m: _Meta) -> _Meta:
+    """The record without its content key (a partial tail is never matched)."""
+    if isinstance(m, int):
+        return m & ~(_M64 | _HAS_CK)
+    return (None, *m[1:_CHAIN])
 
 
 def _size(m: _Meta) -> int:
@@ -300,15 +345,27 @@ class WorkerSummary:
 class _Group:
     """Per (worker, group) state."""
 
-    __slots__ = ("bit", "block_size", "group", "indexable_kind", "kind", "meta", "refs", "slot")
+    __slots__ = (
+        "bit",
+        "block_size",
+        "group",
+        "indexable_kind",
+        "kind",
+        "meta",
+        "refs",
+        "slot",
+        "window",
+    )
 
     def __init__(self, group: int, slot: int) -> None:
         self.group = group
         self.slot = slot
         self.bit = 1 << slot
-        self.block_size = 0
+        self.block_size = 0  # the largest GPU block size seen (smaller: partial tails)
         self.kind: str | None = None
-        self.indexable_kind = True  # kind None or prefix-indexable: compute content keys
+        self.window: int | None = None  # kv_cache_spec_sliding_window
+        # kind None, prefix-indexable, sliding window or chunked local: compute content keys
+        self.indexable_kind = True
         self.meta: dict[Hash, _Meta] = {}
         # CPU and STORAGE refcounts per chunk-tail hash; index 0 stays empty (the GPU
         # refcount lives in the metadata record).
@@ -316,45 +373,105 @@ class _Group:
 
 
 class _Worker:
-    __slots__ = ("bpc", "bpc_fixed", "groups", "wid")
+    __slots__ = ("bpc", "bpc_fixed", "eagle", "groups", "la_fixed", "lookahead", "wid")
 
-    def __init__(self, wid: WorkerId, bpc: int) -> None:
+    def __init__(
+        self, wid: WorkerId, bpc: int, lookahead: int | None = None, eagle: bool = False
+    ) -> None:
         self.wid = wid
         self.groups: dict[int, _Group] = {}
         self.bpc = bpc  # 0 = unknown
         self.bpc_fixed = bpc > 0
+        self.lookahead = lookahead or 0  # speculative lookahead tokens per block hash
+        self.la_fixed = lookahead is not None
+        self.eagle = eagle  # EAGLE's drop of the last matched block
+
+
+@dataclass(frozen=True)
+class _SpecGroup:
+    """Groups a worker's hybrid lookup judges together (vLLM's SpecGroup: one spec)."""
+
+    cls: str
+    """``"full"``, ``"sw"`` (sliding window) or ``"local"`` (chunked local attention)."""
+    block_size: int
+    window: int
+    """Sliding window or attention chunk size in tokens (0 for full attention)."""
+    bits: int
+    """Slot bits of the member groups: a block is held when every member holds it."""
+    slots: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How vLLM would look a request up on one worker (see :mod:`kvevents.consumers.router`)."""
+
+    wid: WorkerId
+    blocked: str | None
+    """Why the worker is never credited (a group kind vLLM's lookup is not modelled for,
+    an unknown window or block size), or None."""
+    unitary: bool
+    """One KV-cache group in all (vLLM's UnitaryKVCacheCoordinator)."""
+    spec_groups: tuple[_SpecGroup, ...]
+    """In vLLM's GPU lookup order: full attention first."""
+    align: int
+    """Tokens a GPU hit is aligned to: the block size, or the lcm of the groups' sizes."""
+    chunk_groups: tuple[tuple[str, int, int, int], ...]
+    """Per offloaded group in the offload lookup order (full attention first):
+    ``(cls, block size, window in chunks (0 for full), slot bit)``."""
+    windowed: bool
+    """Some group is windowed (sliding window or chunked local): the CPU bound starts one
+    token short of the request."""
+    bpc: int
+    """Blocks per chunk (0: unknown, no CPU/STORAGE credit)."""
+    lookahead: int
+    """Speculative lookahead tokens hashed with each block (0: none)."""
+    eagle: bool
+    """EAGLE's drop of the last matched block."""
 
 
 @dataclass
 class _Layout:
-    """What the router's walk needs about slots, rebuilt when slots change."""
+    """What the router's walk needs about slots, rebuilt when slots change.
+
+    The bitset walks serve *simple* workers: one full-attention group, no speculative
+    mode.  Every other worker is looked up on its own, from its :class:`_Plan`.
+    """
 
     canonical: int
     gpu_classes: list[tuple[int, int]]
-    """(units per engine block, slot mask) for prefix-indexable slots with a block size."""
+    """(units per engine block, slot mask) for the slots of simple workers."""
     chunk_classes: list[tuple[int, int]]
     """(units per chunk, slot mask) for those slots whose worker's blocks_per_chunk is known."""
     gpu_mask: int
     chunk_mask: int
     slot_worker: dict[int, WorkerId]
-    slot_block: dict[int, int]
-    """Engine block size in tokens, per slot."""
-    slot_chunk: dict[int, int]
-    """Chunk size in tokens, per slot (absent: unknown)."""
-    worker_slots: dict[WorkerId, tuple[int, ...]]
-    worker_align: dict[WorkerId, int]
-    """LCM of the block sizes of the worker's scoring groups: a hit covers whole blocks of each."""
     nslots: int = 0
-    """One more than the highest scoring slot."""
+    """One more than the highest simple slot."""
     pos_wids: list[WorkerId | None] = field(default_factory=list)
-    """Indexed by ``slot + 1`` (a slot bit's ``bit_length()``): the slot's worker if the
-    slot is that worker's only scoring slot, else None; ``nslots + 1`` entries."""
+    """Indexed by ``slot + 1`` (a slot bit's ``bit_length()``): the simple slot's worker;
+    ``nslots + 1`` entries."""
     pos_bits: list[int] = field(default_factory=list)
     """Indexed by ``slot + 1``: ``1 << slot`` (entry 0 is 0)."""
     simple_mask: int = 0
-    """Scoring slots whose worker has no other scoring slot."""
-    multi_workers: tuple[WorkerId, ...] = ()
-    """Workers with several scoring slots (hybrid models), resolved per worker."""
+    """Slots of simple workers."""
+    plans: dict[WorkerId, _Plan] = field(default_factory=dict)
+    """Every worker's lookup plan."""
+    complex_workers: tuple[WorkerId, ...] = ()
+    """Workers the bitset walks do not serve (hybrid, windowed, speculative)."""
+    complex_full_classes: list[tuple[int, int]] = field(default_factory=list)
+    """(units per block, slot mask) of those workers' full-attention slots (without
+    lookahead), whose prefix runs one walk finds for all of them."""
+    complex_full_mask: int = 0
+
+
+def _per_worker(config: Any, wid: WorkerId) -> Any:
+    """A per-worker setting: one value for all, or a mapping by WorkerId, source or "*"."""
+    if not isinstance(config, Mapping):
+        return config
+    for key in (wid, wid[0], "*"):
+        if key in config:
+            return config[key]
+    return None
 
 
 def _bpc_lookup(config: int | Mapping[Any, int] | None, wid: WorkerId) -> int:
@@ -390,6 +507,16 @@ class BlockIndex:
         Cap on placeholder chunks waiting for their GPU store.
     keep_token_ids:
         Keep each block's token ids so :meth:`block_info` can return them.
+    lookahead_tokens:
+        Speculative decoding's lookahead hashing (vLLM's ``num_hash_lookahead_tokens``):
+        each block hash also covers the next this-many tokens, and a prompt's last block
+        is never hashed.  An int for every engine, a mapping keyed like
+        ``blocks_per_chunk``, or ``None`` to learn it per worker from the
+        ``lookahead_token_ids`` its events carry.
+    eagle_drop:
+        Speculative decoding without lookahead hashing: vLLM drops the last matched
+        block of a hit (EAGLE needs its hidden states).  A bool for every engine or a
+        mapping keyed like ``blocks_per_chunk``; the wire does not say it.
     """
 
     def __init__(
@@ -401,6 +528,8 @@ class BlockIndex:
         gpu_metadata_retention: int = 200_000,
         max_pending: int = 100_000,
         keep_token_ids: bool = False,
+        lookahead_tokens: int | Mapping[Any, int] | None = None,
+        eagle_drop: bool | Mapping[Any, bool] = False,
     ) -> None:
         if canonical_block_size <= 0:
             raise ConfigError("canonical_block_size must be positive")
@@ -414,9 +543,11 @@ class BlockIndex:
         self.max_pending = max_pending
         self.keep_token_ids = keep_token_ids
         self._bpc_config = blocks_per_chunk
+        self._lookahead_config = lookahead_tokens
+        self._eagle_config = eagle_drop
         self.stats = IndexStats()
         self._workers: dict[WorkerId, _Worker] = {}
-        self._marks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        self._marks: tuple[_Marks, _Marks, _Marks] = (_Marks(), _Marks(), _Marks())
         self._slots: dict[int, tuple[_Worker, _Group]] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -476,7 +607,9 @@ class BlockIndex:
                                 if m & _HAS_CK:
                                     ck = (m & _M64) - _OFF
                                     v = gpu_marks.get(ck)
-                                    if v is not None:
+                                    if gpu_marks.dups and _undup(gpu_marks, ck, gs.bit):
+                                        pass  # another engine block of this slot has it
+                                    elif v is not None:
                                         if v == gs.bit:  # the only holder
                                             del gpu_marks[ck]
                                         else:
@@ -537,7 +670,12 @@ class BlockIndex:
                                     marks = self._marks[tier]
                                     ck = (m & _M64) - _OFF
                                     v = marks.get(ck)
-                                    marks[ck] = gs.bit if v is None else v | gs.bit
+                                    if v is None:
+                                        marks[ck] = gs.bit
+                                    elif v & gs.bit:
+                                        _dup(marks, ck, gs.bit)
+                                    else:
+                                        marks[ck] = v | gs.bit
                                 if m >= _G1 or h in r[3 - tier]:
                                     continue
                                 self._resident += 1
@@ -602,7 +740,12 @@ class BlockIndex:
     # ------------------------------------------------------------------ workers
 
     def _worker(self, wid: WorkerId) -> _Worker:
-        w = _Worker(wid, _bpc_lookup(self._bpc_config, wid))
+        w = _Worker(
+            wid,
+            _bpc_lookup(self._bpc_config, wid),
+            _per_worker(self._lookahead_config, wid),
+            bool(_per_worker(self._eagle_config, wid)),
+        )
         self._workers[wid] = w
         return w
 
@@ -702,8 +845,26 @@ class BlockIndex:
         if size <= 0:
             stats.skipped["bad_block_size"] += n
             return
+        partial = False
         if tier == 0 and size != gs.block_size:
-            gs.block_size = size
+            if size > gs.block_size:
+                if gs.block_size:
+                    self._unkey_partials(gs, size)
+                gs.block_size = size
+                self._layout = None
+            else:
+                # a store at hash granularity into a coarser group: vLLM's partial tail
+                # (cache_partial_block), only looked up in Mamba "align" mode; it keeps
+                # its metadata (for its removal) but is never matched
+                partial = True
+                stats.skipped["partial_tail"] += n
+        window = ev.kv_cache_spec_sliding_window
+        if tier == 0 and window is not None and window != gs.window:
+            gs.window = window
+            self._layout = None
+        la = ev.lookahead_token_ids
+        if la and tier == 0 and not w.la_fixed and la[0] and len(la[0]) != w.lookahead:
+            w.lookahead = len(la[0])
             self._layout = None
         if tier >= 0:
             stats.stored[TIERS[tier]] += n
@@ -714,7 +875,7 @@ class BlockIndex:
             stats.skipped["short_token_ids"] += n
             return
         unit = self.canonical_block_size
-        index_keys = gs.indexable_kind
+        index_keys = gs.indexable_kind and not partial
         if index_keys and size % unit:
             stats.skipped["block_size_not_multiple_of_canonical"] += n
             index_keys = False
@@ -725,7 +886,12 @@ class BlockIndex:
         pk: int | None
         pend: int | None
         if parent is None:
-            pk, pend = (ROOT_KEY if lora is None else root_key(lora)), 0
+            if extras and extras[0] is not None:
+                ex0 = split_extras(extras[0], lora, True)
+                pk = root_key(lora, ex0.salt if ex0 is not None else None)
+            else:
+                pk = ROOT_KEY if lora is None else root_key(lora)
+            pend = 0
         else:
             pm = meta.get(parent)
             if pm is None:
@@ -735,7 +901,17 @@ class BlockIndex:
                 e = (pm >> 65) & _M20
                 pend = (e - 1) * ((pm >> 85) & _M20) if e else None
             else:
-                pk, pend = _ck(pm), _end_tokens(pm)
+                pk, pend = _chain(pm), _end_tokens(pm)
+        if off and index_keys:
+            # leading blocks the engine did not hash (null blocks outside a window):
+            # chain over their tokens so the hashed blocks' keys stay positional
+            if pk is not None:
+                try:
+                    pk = chain_units(pk, toks[:off], unit) if off % unit == 0 else None
+                except ConfigError:
+                    pk = None
+            if pend is not None:
+                pend += off
         pending = self._pending
         first = 0
         if (
@@ -743,6 +919,8 @@ class BlockIndex:
             and index_keys
             and lora is None
             and extras is None
+            and not la
+            and not off
             and not self.keep_token_ids
             and not pending
             and size <= _M20
@@ -754,8 +932,14 @@ class BlockIndex:
             # no residency and no retirement entry: both always go with a record).  It
             # stops at the first block that needs the general path below.
             q = size // unit
-            # the blocks' canonical units as tuples, in order
-            it = zip(*[iter(toks[off:] if off else toks)] * unit)
+            # the blocks' canonical units as slices of the packed tokens, in order
+            tbuf: memoryview | None
+            try:
+                tbuf = memoryview(pack_tokens(toks[off:] if off else toks))
+            except ConfigError:
+                tbuf = None  # ids no key can be made of: the general path counts them
+            width = 8 * unit
+            ta = 0
             marks = self._marks[0]
             r1, r2 = gs.refs[1], gs.refs[2]
             bit = gs.bit
@@ -768,20 +952,21 @@ class BlockIndex:
             max_blocks = self.max_blocks
             setdefault = meta.setdefault
             try:
-                for h in hashes:
+                for h in hashes if tbuf is not None else ():
                     if type(h) is not int or not 0 <= h <= _M64:
                         break
                     if pk is not None:
                         if q == 1:
-                            k = hash((pk, next(it)))
+                            k = xxh(tbuf[ta : ta + width], pk)  # type: ignore[index]
+                            ta += width
                         else:
                             k = pk
                             for _ in range(q):
-                                k = hash((k, next(it)))
+                                k = xxh(tbuf[ta : ta + width], k)  # type: ignore[index]
+                                ta += width
                         v = keyed + k
                     else:
-                        for _ in range(q):
-                            next(it)
+                        ta += q * width
                         k = None
                         v = fixed
                     if end_field:
@@ -794,7 +979,12 @@ class BlockIndex:
                         end_field += step
                     if k is not None:
                         mv = marks.get(k)
-                        marks[k] = bit if mv is None else mv | bit
+                        if mv is None:
+                            marks[k] = bit
+                        elif mv & bit:
+                            _dup(marks, k, bit)
+                        else:
+                            marks[k] = mv | bit
                     else:
                         stats.skipped["unknown_parent"] += 1
                     if h not in r1 and h not in r2:
@@ -821,13 +1011,18 @@ class BlockIndex:
             if m is None or (ck is None and pk is not None and index_keys):
                 end = pend + size if pend is not None else None
                 base = off + i * size
+                chain = None
                 if index_keys and pk is not None:
-                    k = pk
-                    for a in range(base, base + size, unit):
-                        k = hash((k, t[a : a + unit]))
+                    ex: EventExtras | None = None
                     if extras is not None and i < len(extras) and extras[i] is not None:
-                        k = hash((k, extra_key(extras[i])))
-                    ck = k
+                        ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
+                    try:
+                        chain = ck = chain_block(pk, t[base : base + size], unit, ex)
+                        if la and i < len(la) and la[i]:
+                            ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
+                    except ConfigError:
+                        chain = ck = None  # token ids outside int64: no content key
+                        stats.skipped["bad_token_ids"] += 1
                 elif index_keys:
                     stats.skipped["unknown_parent"] += 1
                 m = _pack(
@@ -838,6 +1033,7 @@ class BlockIndex:
                     lora,
                     extras[i] if extras is not None and i < len(extras) else None,
                     t[base : base + size] if self.keep_token_ids else None,
+                    chain,
                 )
                 if h in meta:  # an orphan healed: keep its refcount, re-key its residencies
                     m = _add_gpu(m, _gpu(meta[h]))
@@ -847,13 +1043,13 @@ class BlockIndex:
                     p = pending.pop((w.wid, gs.group, h), None)
                     if p is not None:
                         self._join_pending(w, gs, h, m, p)
-                pk, pend = ck, end
+                pk, pend = (chain if chain is not None else ck), end
             else:
                 if tier == 0:
                     # LRU touch: move to the end of the group's insertion order
                     del meta[h]
                     meta[h] = m
-                pk, pend = ck, _end_tokens(m)
+                pk, pend = _chain(m), _end_tokens(m)
             parent = h
             self._ref(w, gs, tier, h, ck)
         if tier == 0 and not index_keys and not gs.indexable_kind:
@@ -1016,7 +1212,12 @@ class BlockIndex:
             marks = self._marks[tier]
             v = marks.get(ck)
             # a key held by one slot shares the slot's bit object (no new int)
-            marks[ck] = gs.bit if v is None else v | gs.bit
+            if v is None:
+                marks[ck] = gs.bit
+            elif v & gs.bit:
+                _dup(marks, ck, gs.bit)
+            else:
+                marks[ck] = v | gs.bit
         if elsewhere:
             return
         self._resident += 1
@@ -1067,7 +1268,9 @@ class BlockIndex:
                     if m & _HAS_CK:
                         ck = (m & _M64) - _OFF
                         v = marks.get(ck)
-                        if v is not None:
+                        if marks.dups and _undup(marks, ck, bit):
+                            pass  # another engine block of this slot has it
+                        elif v is not None:
                             if v == bit:  # the only holder
                                 del marks[ck]
                             else:
@@ -1086,13 +1289,7 @@ class BlockIndex:
             if m is not None:
                 mck = _ck(m)
                 if mck is not None:
-                    v = marks.get(mck)
-                    if v is not None:
-                        v &= ~bit
-                        if v:
-                            marks[mck] = v
-                        else:
-                            del marks[mck]
+                    _unmark(marks, mck, bit)
             if not elsewhere:
                 self._resident -= 1
                 retired[(wid, group, h)] = None
@@ -1150,8 +1347,7 @@ class BlockIndex:
                 if old_ck is not None:
                     _unmark(marks, old_ck, gs.bit)
                 if new_ck is not None:
-                    v = marks.get(new_ck)
-                    marks[new_ck] = gs.bit if v is None else v | gs.bit
+                    _mark(marks, new_ck, gs.bit)
 
     def _evict(self) -> None:
         """Drop the least recently stored resident entries of the biggest worker group."""
@@ -1180,8 +1376,18 @@ class BlockIndex:
 
     def _set_kind(self, w: _Worker, gs: _Group, kind: str) -> None:
         gs.kind = kind
-        gs.indexable_kind = kind in PREFIX_INDEXABLE_SPEC_KINDS
+        gs.indexable_kind = kind in _KEYED_KINDS
         self._layout = None
+
+    def _unkey_partials(self, gs: _Group, size: int) -> None:
+        """The group's block size grew to ``size``: records of smaller blocks were partial
+        tails (cache_partial_block) and lose their content key and marks."""
+        for h, m in list(gs.meta.items()):
+            if _size(m) < size and _ck(m) is not None:
+                new = _unkeyed(m)
+                self._rekey(gs, h, m, new)
+                gs.meta[h] = new
+                self.stats.skipped["partial_tail"] += 1
 
     def _observe_tail(self, w: _Worker, gs: _Group, m: _Meta) -> None:
         if w.bpc_fixed:
@@ -1297,41 +1503,108 @@ class BlockIndex:
     # ------------------------------------------------------------------ for the router
 
     def _slot_indexable(self, w: _Worker, gs: _Group) -> bool:
+        """Whether the group is full attention (a kind-less group only when alone)."""
         if gs.kind is None:
             return len(w.groups) == 1
         return gs.kind in PREFIX_INDEXABLE_SPEC_KINDS
 
+    def _plan(self, w: _Worker) -> _Plan:
+        unit = self.canonical_block_size
+        blocked: str | None = None
+        members: list[tuple[str, int, int, _Group]] = []
+        for g in sorted(w.groups):
+            gs = w.groups[g]
+            kind = gs.kind
+            if self._slot_indexable(w, gs):
+                cls, window = "full", 0
+            elif kind in _SW_KINDS or kind in _LOCAL_KINDS:
+                cls = "sw" if kind in _SW_KINDS else "local"
+                window = gs.window or 0
+                if window <= 0:
+                    blocked = blocked or "no_window"
+            elif kind is None or kind in _IGNORED_KINDS:
+                continue  # not consulted by vLLM's prefix lookup (or unknowable)
+            else:
+                blocked = blocked or "kind:" + kind
+                continue
+            if not gs.block_size or gs.block_size % unit:
+                blocked = blocked or "block_size"
+            members.append((cls, gs.block_size, window, gs))
+        if not members:
+            blocked = blocked or "no_group"
+        spec: dict[tuple[str, int, int], list[int]] = {}
+        for cls, size, window, gs in members:
+            spec.setdefault((cls, size, window), []).append(gs.slot)
+        order = sorted(spec.items(), key=lambda kv: kv[0][0] != "full")  # stable
+        spec_groups = tuple(
+            _SpecGroup(c, b, wdw, sum(1 << x for x in slots), tuple(slots))
+            for (c, b, wdw), slots in order
+        )
+        sizes = [m[1] for m in members if m[1]]
+        unitary = len(w.groups) == 1
+        align = math.lcm(*sizes) if sizes else 1
+        bpc = w.bpc
+        chunk_groups: list[tuple[str, int, int, int]] = []
+        for cls, size, window, gs in sorted(members, key=lambda m: m[0] != "full"):
+            tpc = bpc * size
+            wchunks = 0 if cls == "full" or not tpc else -(-window // tpc)
+            chunk_groups.append((cls, size, wchunks, gs.bit))
+        return _Plan(
+            wid=w.wid,
+            blocked=blocked,
+            unitary=unitary,
+            spec_groups=spec_groups,
+            align=align,
+            chunk_groups=tuple(chunk_groups),
+            windowed=any(m[0] != "full" for m in members),
+            bpc=bpc,
+            lookahead=w.lookahead,
+            eagle=w.eagle,
+        )
+
     def layout(self) -> _Layout:
-        """Slot classes for the router's walk (cached until slots change)."""
+        """Slot classes for the router's walk and per-worker plans (cached until they change)."""
         if self._layout is not None:
             return self._layout
         unit = self.canonical_block_size
         gpu: dict[int, int] = {}
         chunk: dict[int, int] = {}
         slot_worker: dict[int, WorkerId] = {}
-        slot_block: dict[int, int] = {}
-        slot_chunk: dict[int, int] = {}
-        worker_slots: dict[WorkerId, list[int]] = {}
-        for slot, (w, gs) in self._slots.items():
-            size = gs.block_size
-            if not size or size % unit or not self._slot_indexable(w, gs):
+        plans: dict[WorkerId, _Plan] = {}
+        complex_workers: list[WorkerId] = []
+        cfull: dict[int, int] = {}
+        for wid in sorted(self._workers):
+            w = self._workers[wid]
+            plan = plans[wid] = self._plan(w)
+            simple = (
+                plan.blocked is None
+                and plan.unitary
+                and plan.spec_groups[0].cls == "full"
+                and not plan.lookahead
+                and not plan.eagle
+            )
+            if not simple:
+                if plan.blocked is None:  # (a blocked worker is never credited)
+                    complex_workers.append(wid)
+                    if not plan.lookahead:
+                        for sg in plan.spec_groups:
+                            if sg.cls == "full":
+                                u = sg.block_size // unit
+                                cfull[u] = cfull.get(u, 0) | sg.bits
                 continue
-            slot_worker[slot] = w.wid
-            slot_block[slot] = size
-            worker_slots.setdefault(w.wid, []).append(slot)
-            u = size // unit
+            (gs,) = w.groups.values()
+            slot_worker[gs.slot] = wid
+            u = gs.block_size // unit
             gpu[u] = gpu.get(u, 0) | gs.bit
             if w.bpc:
-                slot_chunk[slot] = size * w.bpc
                 v = u * w.bpc
                 chunk[v] = chunk.get(v, 0) | gs.bit
         nslots = max(slot_worker, default=-1) + 1
         pos_wids: list[WorkerId | None] = [None] * (nslots + 1)
         simple_mask = 0
-        for wid, slots in worker_slots.items():
-            if len(slots) == 1:
-                pos_wids[slots[0] + 1] = wid
-                simple_mask |= 1 << slots[0]
+        for slot, wid in slot_worker.items():
+            pos_wids[slot + 1] = wid
+            simple_mask |= 1 << slot
         self._layout = _Layout(
             canonical=unit,
             gpu_classes=sorted(gpu.items()),
@@ -1339,17 +1612,14 @@ class BlockIndex:
             gpu_mask=_or_all(gpu.values()),
             chunk_mask=_or_all(chunk.values()),
             slot_worker=slot_worker,
-            slot_block=slot_block,
-            slot_chunk=slot_chunk,
-            worker_slots={k: tuple(v) for k, v in worker_slots.items()},
-            worker_align={
-                k: math.lcm(*(slot_block[s] for s in v)) for k, v in worker_slots.items()
-            },
             nslots=nslots,
             pos_wids=pos_wids,
             pos_bits=[0] + [1 << s for s in range(nslots)],
             simple_mask=simple_mask,
-            multi_workers=tuple(sorted(k for k, v in worker_slots.items() if len(v) > 1)),
+            plans=plans,
+            complex_workers=tuple(complex_workers),
+            complex_full_classes=sorted(cfull.items()),
+            complex_full_mask=_or_all(cfull.values()),
         )
         return self._layout
 
@@ -1358,7 +1628,53 @@ class BlockIndex:
         return self._marks[tier]
 
 
-def _unmark(marks: dict[int, int], ck: int, bit: int) -> None:
+class _Marks(dict[int, int]):
+    """Content key -> bitset of slots, with a count of extra references per (key, slot).
+
+    Marks are counted: two engine blocks of one slot with the same content key (e.g. one
+    LoRA name over two adapter paths) are two references, and removing one keeps the
+    other.  ``dups`` holds the references beyond the first; it is almost always empty.
+    """
+
+    __slots__ = ("dups",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dups: dict[tuple[int, int], int] = {}
+
+
+def _dup(marks: _Marks, ck: int, bit: int) -> None:
+    """One more reference of ``ck`` by the slot ``bit`` that already marks it."""
+    d = marks.dups
+    d[(ck, bit)] = d.get((ck, bit), 0) + 1
+
+
+def _undup(marks: _Marks, ck: int, bit: int) -> bool:
+    """Drop one extra reference of ``ck`` by ``bit``; False if there was none."""
+    d = marks.dups
+    c = d.get((ck, bit))
+    if not c:
+        return False
+    if c == 1:
+        del d[(ck, bit)]
+    else:
+        d[(ck, bit)] = c - 1
+    return True
+
+
+def _mark(marks: _Marks, ck: int, bit: int) -> None:
+    v = marks.get(ck)
+    if v is None:
+        marks[ck] = bit
+    elif v & bit:
+        _dup(marks, ck, bit)
+    else:
+        marks[ck] = v | bit
+
+
+def _unmark(marks: _Marks, ck: int, bit: int) -> None:
+    if marks.dups and _undup(marks, ck, bit):
+        return
     v = marks.get(ck)
     if v is None:
         return

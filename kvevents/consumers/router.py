@@ -1,19 +1,27 @@
-"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex` (DESIGN §4).
+"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex`.
 
 :meth:`Router.find_matches` says, per worker, how many leading prompt tokens that engine
-would actually reuse from each tier, counted the way vLLM counts them:
+would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
 
-* ``gpu``: the longest prefix held on GPU, in whole engine blocks, the minimum over the
-  worker's prefix-indexable groups;
-* ``cpu``: the tokens the CPU tier adds *after* ``gpu``.  Per group with chunk size
-  ``T = blocks_per_chunk × block_size``, consecutive CPU chunks are counted from chunk
-  ``gpu // T``; the hit ends at ``T × (last hit chunk + 1)``; the smallest end over the
-  groups wins, and if any group would add less than one whole chunk beyond ``gpu``
-  (or has no chunk at all) ``cpu`` is 0;
+* ``gpu``: ``KVCacheManager.get_computed_blocks``: at most ``num_tokens - 1`` tokens in
+  whole blocks; with several KV-cache groups, ``HybridKVCacheCoordinator``'s lookup
+  (hits aligned to the lcm of the block sizes; full-attention, sliding-window and
+  chunked-local groups each judged as their manager's ``find_longest_cache_hit``
+  judges them, until all agree); EAGLE's drop of the last block and lookahead hashing
+  per worker;
+* ``cpu``: the tokens the CPU tier adds *after* ``gpu``, as the offload connector's
+  ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
+  less with windowed groups), tightened group by group (full attention first) to the end
+  of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
+  than one of the current group's chunks remains beyond ``gpu``;
 * ``storage``: likewise after ``gpu + cpu``.
 
-The walk computes the prompt's content keys once and intersects per-tier worker bitsets
-along them, so its cost grows with the matched length, not with workers × length.
+A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
+multimodal inputs, prompt embeddings).  Workers with one full-attention group and no
+speculative mode (the usual fleet) are answered by walks that compute the prompt's
+content keys once and intersect per-tier worker bitsets along them, so their cost grows
+with the matched length, not with workers × length; every other worker is looked up on
+its own (:class:`_Lookup`).
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from itertools import chain, compress, islice, repeat
 from operator import sub
 from typing import NamedTuple
 
-from kvevents.consumers.content import prompt_keys
-from kvevents.consumers.index import BlockIndex, WorkerId, _Layout
+from kvevents.consumers.content import lookahead_key, prompt_keys, request_keys
+from kvevents.consumers.index import BlockIndex, WorkerId, _Layout, _Plan, _SpecGroup
 from kvevents.errors import ConfigError
+from kvevents.request import MMFeature, PromptEmbeds, RequestKey
 
 __all__ = ["Candidate", "Match", "Router", "TierWeights"]
 
@@ -88,90 +97,88 @@ class Router:
     # ---------------------------------------------------------------- matching
 
     def find_matches(
-        self, tokens: Sequence[int], lora_name: str | None = None
+        self,
+        request: Sequence[int] | RequestKey,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> dict[WorkerId, Match]:
-        """Per worker with anything reusable, its :class:`Match` (absent means all zero)."""
+        """Per worker with anything reusable, its :class:`Match` (absent means all zero).
+
+        ``request`` is the prompt's token ids, or a :class:`~kvevents.RequestKey`; the
+        keyword arguments build one from tokens (LoRA adapter name, cache salt,
+        multimodal inputs, prompt embeddings: what vLLM keys blocks by besides tokens).
+        """
+        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        n = len(tokens)
         index = self.index
         lay = index.layout()
         unit = lay.canonical
-        if not lay.gpu_classes or len(tokens) < unit:
+        if n < 2:
             return {}
-        keys = prompt_keys(tokens, unit, lora_name)
-        if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1 and not lay.multi_workers:
-            return _uniform_matches(keys, lay, index)
-        # Results per slot, in tokens, for the slots of single-slot workers ("simple"
-        # slots, usually all of them); workers with several scoring groups are resolved
-        # per worker from their slots' run ends.  Each walk reports its hits as runs
-        # (end, slots); the next tier's start positions and the "whole chunk beyond the
-        # base" rule are applied to those runs as whole bitsets, so the per-slot Python
-        # work is one bit extraction per tier hit plus the C-level assembly of the answer.
-        gpu_end = [0] * (lay.nslots + 1)  # indexed by slot + 1
-        slot_end: dict[int, int] = {}
-        runs = _walk(keys, index.marks(0), lay.gpu_classes, lay.gpu_mask, {})
-        starts: dict[int, int] = {}
-        aligned = _gpu_runs(runs, lay, gpu_end, slot_end, starts)
-        hit = 0
-        for _, bits in runs:
-            hit |= bits
-        hit &= lay.simple_mask
-        multi: dict[WorkerId, list[int]] = {}
-        for wid in lay.multi_workers:
-            low = min(slot_end.get(s, 0) for s in lay.worker_slots[wid]) * unit
-            align = lay.worker_align[wid]
-            multi[wid] = [low // align * align, 0, 0]
-        if not lay.chunk_classes:
-            return _assemble(lay, gpu_end, None, None, multi, hit)
-        tier_ends: list[list[int] | None] = [gpu_end, None, None]
-        base_end = gpu_end
-        for tier in (1, 2):
-            marks = index.marks(tier)
-            if not marks:
-                continue
-            walk_starts = _multi_starts(lay, multi, starts) if multi else starts
-            late = sum(walk_starts.values())  # disjoint slot sets: the sum is the union
-            runs = _walk(keys, marks, lay.chunk_classes, lay.chunk_mask & ~late, walk_starts)
-            end = base_end.copy()
-            slot_end = {}
-            credited = _chunk_runs(runs, lay, starts, aligned, end, slot_end)
-            hit |= credited
-            tier_ends[tier] = base_end = end
-            if multi:
-                _multi_chunk(lay, multi, slot_end, tier)
-            if tier == 1 and index.marks(2):
-                # STORAGE starts after the CPU hit, or where the CPU walk started
-                nxt: dict[int, int] = {}
-                for first, bits in starts.items():
-                    rest = bits & ~credited
-                    if rest:
-                        nxt[first] = rest
-                for e, bits in runs:
-                    got = bits & credited
-                    if got:
-                        for v, mask in lay.chunk_classes:
-                            b = got & mask
-                            if b:
-                                nxt[e + v] = nxt.get(e + v, 0) | b
-                starts = nxt
-                aligned |= credited
-        return _assemble(lay, gpu_end, tier_ends[1], tier_ends[2], multi, hit)
+        if key is None:
+            keys = prompt_keys(tokens, unit)
+        elif key.prompt_embeds is None:
+            keys = request_keys(key, unit)
+        else:
+            keys = []  # block-size dependent: every worker is looked up on its own
+        out: dict[WorkerId, Match] = {}
+        if lay.gpu_classes and keys:
+            out = _simple_matches(keys, n, lay, index)
+        workers = lay.complex_workers if keys else tuple(lay.plans)
+        if workers:
+            prefix: dict[int, int] | None = None
+            if keys and lay.complex_full_classes:
+                # the GPU prefix runs of every full-attention slot of these workers, in
+                # one walk (units held from token 0, capped at the last token)
+                prefix = {}
+                gkeys = keys[: (n - 1) // unit]
+                classes, mask = lay.complex_full_classes, lay.complex_full_mask
+                for e, bits in _walk(gkeys, index.marks(0), classes, mask, {}):
+                    while bits:
+                        b = bits.bit_length() - 1
+                        prefix[b] = e
+                        bits ^= 1 << b
+            rkey = key if key is not None else RequestKey(tokens)
+            lookup = _Lookup(index, rkey, keys, prefix)
+            for wid in workers:
+                plan = lay.plans[wid]
+                if plan.blocked is None:
+                    m = lookup.match(plan)
+                    if m.gpu or m.cpu or m.storage:
+                        out[wid] = m
+        return out
 
     # ---------------------------------------------------------------- choosing
 
     def score(
         self,
-        tokens: Sequence[int],
+        request: Sequence[int] | RequestKey,
         loads: Mapping[WorkerId, float] | None = None,
+        *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> list[Candidate]:
         """Every candidate worker with its match and cost, best first.
 
-        Candidates are the index's workers plus any worker named in ``loads``.
+        Candidates are the index's workers plus any worker named in ``loads``.  The
+        request is given as to :meth:`find_matches`.
         """
-        matches = self.find_matches(tokens, lora_name)
+        matches = self.find_matches(
+            request,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+        )
         workers = set(self.index.workers())
         if loads:
             workers.update(loads)
-        n = len(tokens)
+        n = len(request.tokens if isinstance(request, RequestKey) else request)
         wt = self.weights
         out = []
         for wid in workers:
@@ -184,34 +191,350 @@ class Router:
 
     def select(
         self,
-        tokens: Sequence[int],
+        request: Sequence[int] | RequestKey,
         loads: Mapping[WorkerId, float] | None = None,
+        *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> WorkerId:
-        """The cheapest worker for ``tokens``; ties go to the smallest worker id.
+        """The cheapest worker for the request; ties go to the smallest worker id.
 
         Raises :class:`~kvevents.errors.ConfigError` when there is no worker at all.
         """
-        ranked = self.score(tokens, loads, lora_name)
+        ranked = self.score(
+            request,
+            loads,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+        )
         if not ranked:
             raise ConfigError("no workers to route to: the index is empty and no loads given")
         return ranked[0].worker
 
 
+def _request_key(
+    request: Sequence[int] | RequestKey,
+    lora_name: str | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MMFeature] | None,
+    prompt_embeds: PromptEmbeds | None,
+) -> tuple[Sequence[int], RequestKey | None]:
+    """The request's tokens, and the request as a RequestKey (None for plain tokens, the
+    fast and common case)."""
+    extras = (
+        lora_name is not None
+        or cache_salt is not None
+        or bool(mm_features)
+        or prompt_embeds is not None
+    )
+    if isinstance(request, RequestKey):
+        if extras:
+            raise ConfigError("pass either a RequestKey or tokens with keyword arguments")
+        return request.tokens, (request if request.has_extras else None)
+    if not extras:
+        return request, None
+    return request, RequestKey(request, lora_name, cache_salt, mm_features or (), prompt_embeds)
+
+
+class _Lookup:
+    """One request looked up on workers one at a time, by vLLM's rules (module doc)."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        key: RequestKey,
+        keys: list[int],
+        prefix: dict[int, int] | None = None,
+    ) -> None:
+        self.index = index
+        self.key = key
+        self.tokens = key.tokens
+        self.n = len(key.tokens)
+        self.unit = index.canonical_block_size
+        self._keys = keys
+        self._by_size: dict[int, list[int]] = {}
+        self._vals: dict[tuple[int, int, int], list[int]] = {}
+        self.marks = (index.marks(0), index.marks(1), index.marks(2))
+        self.lookahead = 0
+        self.prefix = prefix
+        """Slot -> units its GPU blocks hold from token 0 (full-attention slots of
+        workers without lookahead, from one walk over all of them), if computed."""
+
+    def keys(self, block_size: int) -> list[int]:
+        if self._keys:
+            return self._keys
+        ks = self._by_size.get(block_size)
+        if ks is None:
+            ks = self._by_size[block_size] = request_keys(self.key, self.unit, block_size)
+        return ks
+
+    def vals(self, tier: int, block_size: int) -> list[int]:
+        """Per unit of the request, the bitset of slots marking the key ending there on
+        ``tier`` (with the current lookahead; units whose lookahead tokens are not in
+        the prompt are not hashed and absent)."""
+        la = self.lookahead
+        ck = (tier, 0 if self._keys else block_size, la)
+        v = self._vals.get(ck)
+        if v is None:
+            ks = self.keys(block_size)
+            get = self.marks[tier].get
+            if not la:
+                v = list(map(get, ks, repeat(0)))
+            else:
+                unit, toks, feats = self.unit, self.tokens, self.key.mm_features
+                v = []
+                for i, k in enumerate(ks):
+                    end = (i + 1) * unit
+                    if end + la > self.n:
+                        break  # not hashed: its lookahead tokens are not in the prompt
+                    mm = [
+                        (f.identifier, f.offset - end) for f in feats if end <= f.offset < end + la
+                    ]
+                    v.append(get(lookahead_key(k, toks[end : end + la], mm), 0))
+            self._vals[ck] = v
+        return v
+
+    def run(self, tier: int, bits: int, size: int, first: int, stop: int, span: int = 0) -> int:
+        """How many consecutive blocks of ``size`` tokens (or chunks of ``span`` tokens),
+        from index ``first`` up to ``stop``, every slot of ``bits`` holds."""
+        v = self.vals(tier, size)
+        step = (span or size) // self.unit
+        stop = min(stop, len(v) // step)
+        i = first
+        idx = (first + 1) * step - 1
+        while i < stop and v[idx] & bits == bits:
+            i += 1
+            idx += step
+        return i - first
+
+    def last_run(
+        self,
+        tier: int,
+        bits: int,
+        size: int,
+        first: int,
+        stop: int,
+        need: int,
+        align: int,
+        span: int = 0,
+    ) -> int:
+        """Scanning blocks of ``size`` tokens (or chunks of ``span``) ``[first, stop)``
+        from the right, the end index of the first run of ``need`` held ones whose right
+        end is a multiple of ``align`` tokens (vLLM's sliding-window scans); -1 if none.
+        ``self.tail`` gets the run still open when the scan reached ``first``."""
+        v = self.vals(tier, size)
+        span = span or size
+        step = span // self.unit
+        stop = min(stop, len(v) // step)
+        run = 0
+        i = stop - 1
+        idx = stop * step - 1
+        while i >= first:
+            if v[idx] & bits == bits:
+                if run or span == align or (i + 1) * span % align == 0:
+                    run += 1
+                    if run >= need:
+                        self.tail = run
+                        return i + run
+            else:
+                run = 0
+            i -= 1
+            idx -= step
+        self.tail = run
+        return -1
+
+    tail = 0
+
+    def match(self, plan: _Plan) -> Match:
+        self.lookahead = plan.lookahead
+        gpu = self.gpu_hit(plan)
+        if not plan.bpc:
+            return Match(gpu, 0, 0)
+        cpu = self.chunk_hit(plan, gpu, 1) if self.marks[1] else 0
+        storage = self.chunk_hit(plan, gpu + cpu, 2) if self.marks[2] else 0
+        return Match(gpu, cpu, storage)
+
+    # GPU: KVCacheManager.get_computed_blocks and the coordinators' find_longest_cache_hit
+
+    def gpu_hit(self, plan: _Plan) -> int:
+        cap = self.n - 1  # the last prompt token is always recomputed
+        groups = plan.spec_groups
+        if plan.unitary:
+            sg = groups[0]
+            return self.find(sg, cap, sg.block_size, plan.eagle)
+        align = plan.align
+        hit = cap
+        found: dict[int, int] = {}  # full-attention spec group -> its hit
+        verified: set[int] = set()
+        simple_hybrid = len(groups) == 2 and groups[0].cls == "full"
+        while True:
+            curr = hit
+            for i, sg in enumerate(groups):
+                if sg.cls == "full" and i in found:
+                    curr = min(curr, found[i])  # full attention is downward-closed
+                    continue
+                drop = plan.eagle and i not in verified
+                max_len = min(curr + sg.block_size, cap) if drop else curr
+                new = self.find(sg, max_len, align, drop)
+                if drop:
+                    verified.add(i)
+                elif new < curr:
+                    verified.clear()
+                curr = new
+                if sg.cls == "full":
+                    found[i] = new
+            if curr >= hit:
+                break
+            hit = curr
+            if simple_hybrid:
+                break
+        return hit
+
+    def find(self, sg: _SpecGroup, max_len: int, align: int, drop: bool) -> int:
+        """One spec group's hit in tokens, at most ``max_len``, a multiple of ``align``."""
+        size = sg.block_size
+        bits = sg.bits
+        nb = max_len // size if max_len > 0 else 0
+        if sg.cls == "full":
+            prefix = self.prefix
+            if prefix is not None and not self.lookahead:
+                step = size // self.unit
+                c = min(nb, min(prefix.get(s, 0) for s in sg.slots) // step)
+            else:
+                c = self.run(0, bits, size, 0, nb)
+            if drop and c:
+                c -= 1
+            while size != align and c * size % align:
+                c -= 1
+            return c * size
+        if sg.cls == "local":
+            # blocks before the attention chunk holding max_len are outside every window
+            first = (max_len // sg.window * sg.window if max_len > 0 else 0) // size
+            return (first + self.run(0, bits, size, first, nb)) * size
+        # sliding window: the window's blocks at the hit end, searched from the right
+        need = max(1, -(-(sg.window - 1) // size) + (1 if drop else 0))
+        hit = self.last_run(0, bits, size, 0, nb, need, align)
+        if hit < 0:
+            hit = self.tail  # the run reaching block 0, if it started on an aligned end
+            while size != align and hit * size % align:
+                hit -= 1
+        if drop and hit:
+            hit -= 1
+        return hit * size
+
+    # CPU / STORAGE: the offload connector's _lookup_complete_chunks
+
+    def chunk_hit(self, plan: _Plan, base: int, tier: int) -> int:
+        """Tokens ``tier`` adds after ``base``: a running bound tightened group by group
+        in the offload lookup order; nothing as soon as less than one chunk remains."""
+        n = self.n
+        bound = n - 1 if plan.windowed else n
+        hashed = n - plan.lookahead
+        eagle = plan.eagle
+        for cls, size, wchunks, bit in plan.chunk_groups:
+            tpc = plan.bpc * size
+            nkeys = hashed // tpc if hashed > 0 else 0
+            bound = min(bound, nkeys * tpc)
+            if bound - base < tpc:
+                return 0
+            query = bound
+            if eagle and cls != "full":
+                # an EAGLE window group looks one chunk further, then drops it
+                query = min(bound + tpc, nkeys * tpc)
+                wchunks += 1
+            nb = min(-(-query // tpc), nkeys)
+            start = base // tpc
+            if cls == "full":
+                hits = self.run(tier, bit, size, start, nb, tpc)
+            else:
+                end = self.last_run(tier, bit, size, start, nb, wchunks, tpc, tpc)
+                hits = end - start if end >= 0 else self.tail
+            if hits <= 0:
+                return 0
+            if eagle:
+                hits -= 1  # EAGLE drops the last hit chunk
+            bound = min(bound, tpc * (start + hits))
+            if bound - base < tpc:
+                return 0
+        return bound - base
+
+
+def _simple_matches(
+    keys: list[int], n: int, lay: _Layout, index: BlockIndex
+) -> dict[WorkerId, Match]:
+    """find_matches for the workers with one full-attention group and no speculative mode.
+
+    ``keys`` are the request's unit keys; the GPU walk sees only those of the first
+    ``n − 1`` tokens (vLLM never reuses the last prompt token), the chunk tiers all.
+    """
+    unit = lay.canonical
+    gkeys = keys[: (n - 1) // unit]
+    if len(lay.gpu_classes) == 1 and len(lay.chunk_classes) <= 1:
+        return _uniform_matches(gkeys, keys, lay, index)
+    # Results per slot, in tokens.  Each walk reports its hits as runs (end, slots); the
+    # next tier's start positions and the "whole chunk beyond the base" rule are applied
+    # to those runs as whole bitsets, so the per-slot Python work is one bit extraction
+    # per tier hit plus the C-level assembly of the answer.
+    gpu_end = [0] * (lay.nslots + 1)  # indexed by slot + 1
+    runs = _walk(gkeys, index.marks(0), lay.gpu_classes, lay.gpu_mask, {})
+    starts: dict[int, int] = {}
+    aligned = _gpu_runs(runs, lay, gpu_end, starts)
+    hit = 0
+    for _, bits in runs:
+        hit |= bits
+    if not lay.chunk_classes:
+        return _assemble(lay, gpu_end, None, None, hit)
+    tier_ends: list[list[int] | None] = [gpu_end, None, None]
+    base_end = gpu_end
+    for tier in (1, 2):
+        marks = index.marks(tier)
+        if not marks:
+            continue
+        late = sum(starts.values())  # disjoint slot sets: the sum is the union
+        runs = _walk(keys, marks, lay.chunk_classes, lay.chunk_mask & ~late, starts)
+        end = base_end.copy()
+        credited = _chunk_runs(runs, lay, starts, aligned, end)
+        hit |= credited
+        tier_ends[tier] = base_end = end
+        if tier == 1 and index.marks(2):
+            # STORAGE starts after the CPU hit, or where the CPU walk started
+            nxt: dict[int, int] = {}
+            for first, bits in starts.items():
+                rest = bits & ~credited
+                if rest:
+                    nxt[first] = rest
+            for e, bits in runs:
+                got = bits & credited
+                if got:
+                    for v, mask in lay.chunk_classes:
+                        b = got & mask
+                        if b:
+                            nxt[e + v] = nxt.get(e + v, 0) | b
+            starts = nxt
+            aligned |= credited
+    return _assemble(lay, gpu_end, tier_ends[1], tier_ends[2], hit)
+
+
 _tuple_new = tuple.__new__
 
 
-def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[WorkerId, Match]:
-    """find_matches for the usual fleet: one engine block size, at most one chunk size,
-    one scoring group per worker.  The same rules as the general path, with each walk
-    fused with the recording of its runs."""
+def _uniform_matches(
+    gkeys: list[int], keys: list[int], lay: _Layout, index: BlockIndex
+) -> dict[WorkerId, Match]:
+    """_simple_matches for the usual fleet: one engine block size, at most one chunk size.
+    The same rules as the general path, with each walk fused with the recording of its
+    runs.  ``gkeys`` are the unit keys the GPU walk may use, ``keys`` all of them."""
     unit = lay.canonical
     (u, gmask), *_ = lay.gpu_classes
     v, cmask = lay.chunk_classes[0] if lay.chunk_classes else (0, 0)
     pos_bits = lay.pos_bits
     gpu_end = [0] * (lay.nslots + 1)  # tokens, indexed by slot + 1
     get = index.marks(0).get
-    ks = keys[u - 1 :: u]
+    ks = gkeys[u - 1 :: u]
     first_hit = alive = gmask & get(ks[0], 0) if ks else 0
     starts: dict[int, int] = {}  # unit position -> slots whose CPU walk starts there
     aligned = 0  # slots whose GPU end is a whole number of chunks
@@ -246,7 +569,7 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
     if pend:
         starts[first] = pend
     if not v:
-        return _assemble(lay, gpu_end, None, None, {}, first_hit)
+        return _assemble(lay, gpu_end, None, None, first_hit)
     ends: list[list[int] | None] = [gpu_end, None, None]
     base = gpu_end
     # slots with a GPU hit start their CPU walk late; the others at the first chunk
@@ -273,7 +596,7 @@ def _uniform_matches(keys: list[int], lay: _Layout, index: BlockIndex) -> dict[W
             starts = nxt
             late = sum(nxt.values())  # disjoint slot sets: the sum is the union
             aligned |= credited
-    return _assemble(lay, gpu_end, ends[1], ends[2], {}, hit)
+    return _assemble(lay, gpu_end, ends[1], ends[2], hit)
 
 
 def _uniform_chunk_walk(
@@ -339,64 +662,28 @@ def _gpu_runs(
     runs: list[tuple[int, int]],
     lay: _Layout,
     gpu_end: list[int],
-    slot_end: dict[int, int],
     starts: dict[int, int],
 ) -> int:
-    """Record GPU runs: simple slots' ends in ``gpu_end`` (tokens, indexed by slot + 1),
-    other slots' ends in ``slot_end`` (units, by slot); fill ``starts`` (unit position →
-    simple slots whose CPU walk starts there).  Returns the simple slots whose GPU end is
-    a whole number of chunks."""
+    """Record GPU runs: slots' ends in ``gpu_end`` (tokens, indexed by slot + 1); fill
+    ``starts`` (unit position → slots whose CPU walk starts there).  Returns the slots
+    whose GPU end is a whole number of chunks."""
     unit = lay.canonical
-    simple = lay.simple_mask
-    everyone = not lay.multi_workers
     chunk_classes = lay.chunk_classes
     pos_bits = lay.pos_bits
     aligned = 0
-    if len(chunk_classes) == 1 and everyone and not simple & ~chunk_classes[0][1]:
-        # the usual fleet: one chunk size, every slot scores alone
-        v = chunk_classes[0][0]
-        first = 0
-        pend = 0
-        for e, b in runs:
-            f = (e // v + 1) * v
-            if f != first:  # runs come mostly in order of end
-                if pend:
-                    starts[first] = starts.get(first, 0) | pend
-                first = f
-                pend = b
-            else:
-                pend |= b
-            if not e % v:
-                aligned |= b
-            tokens = e * unit
-            while b:  # one slot per bit, highest first
-                p = b.bit_length()
-                gpu_end[p] = tokens
-                b ^= pos_bits[p]
-        if pend:
-            starts[first] = starts.get(first, 0) | pend
-        return aligned
-    for e, bits in runs:
-        b = bits if everyone else bits & simple
-        if b:
-            for v, mask in chunk_classes:
-                cb = b & mask
-                if cb:
-                    first = (e // v + 1) * v
-                    starts[first] = starts.get(first, 0) | cb
-                    if not e % v:
-                        aligned |= cb
-            tokens = e * unit
-            while b:
-                p = b.bit_length()
-                gpu_end[p] = tokens
-                b ^= pos_bits[p]
-        if not everyone:
-            m = bits & ~simple
-            while m:
-                p = m.bit_length()
-                slot_end[p - 1] = e
-                m ^= pos_bits[p]
+    for e, b in runs:
+        for v, mask in chunk_classes:
+            cb = b & mask
+            if cb:
+                first = (e // v + 1) * v
+                starts[first] = starts.get(first, 0) | cb
+                if not e % v:
+                    aligned |= cb
+        tokens = e * unit
+        while b:  # one slot per bit, highest first
+            p = b.bit_length()
+            gpu_end[p] = tokens
+            b ^= pos_bits[p]
     return aligned
 
 
@@ -406,82 +693,26 @@ def _chunk_runs(
     starts: dict[int, int],
     aligned: int,
     end: list[int],
-    slot_end: dict[int, int],
 ) -> int:
-    """Record a chunk tier's runs.  A simple slot is credited when its run adds at least
-    one whole chunk beyond its base: always if it started at the first chunk, or if its
-    base was chunk-aligned, or if its run goes past the chunk where it started.  Credited
-    slots get ``end[slot + 1]`` (tokens); other slots' run ends go to ``slot_end`` (units,
-    by slot).  Returns the credited simple slots."""
+    """Record a chunk tier's runs.  A slot is credited when its run adds at least one
+    whole chunk beyond its base: always if it started at the first chunk, or if its base
+    was chunk-aligned, or if its run goes past the chunk where it started.  Credited
+    slots get ``end[slot + 1]`` (tokens).  Returns the credited slots."""
     unit = lay.canonical
-    simple = lay.simple_mask
-    everyone = not lay.multi_workers
     pos_bits = lay.pos_bits
     credited = 0
-    for e, bits in runs:
-        b = bits if everyone else bits & simple
+    for e, b in runs:
+        st = starts.get(e)
+        if st:
+            b &= ~(st & ~aligned)  # started at e with an unaligned base: < 1 chunk
         if b:
-            st = starts.get(e)
-            if st:
-                b &= ~(st & ~aligned)  # started at e with an unaligned base: < 1 chunk
-            if b:
-                credited |= b
-                tokens = e * unit
-                while b:
-                    p = b.bit_length()
-                    end[p] = tokens
-                    b ^= pos_bits[p]
-        if not everyone:
-            m = bits & ~simple
-            while m:
-                p = m.bit_length()
-                slot_end[p - 1] = e
-                m ^= pos_bits[p]
+            credited |= b
+            tokens = e * unit
+            while b:
+                p = b.bit_length()
+                end[p] = tokens
+                b ^= pos_bits[p]
     return credited
-
-
-def _multi_starts(
-    lay: _Layout, multi: dict[WorkerId, list[int]], starts: dict[int, int]
-) -> dict[int, int]:
-    """``starts`` plus the start positions of multi-slot workers (from their base)."""
-    unit = lay.canonical
-    out = dict(starts)
-    slot_chunk = lay.slot_chunk
-    pos_bits = lay.pos_bits
-    for wid, tiers in multi.items():
-        base = tiers[0] + tiers[1] + tiers[2]
-        if base <= 0:
-            continue
-        for slot in lay.worker_slots[wid]:
-            size = slot_chunk.get(slot)
-            if size is not None:
-                first = (base // size + 1) * (size // unit)
-                out[first] = out.get(first, 0) | pos_bits[slot + 1]
-    return out
-
-
-def _multi_chunk(
-    lay: _Layout, multi: dict[WorkerId, list[int]], slot_end: dict[int, int], tier: int
-) -> None:
-    """A chunk tier's credit for multi-slot workers: every group must add at least one
-    whole chunk of its own beyond the base; the smallest end wins, in whole blocks."""
-    unit = lay.canonical
-    slot_chunk = lay.slot_chunk
-    for wid, tiers in multi.items():
-        base = tiers[0] + tiers[1] + tiers[2]
-        best: int | None = None
-        for s in lay.worker_slots[wid]:
-            e = slot_end.get(s)
-            if s not in slot_chunk or e is None or e * unit - base < slot_chunk[s]:
-                best = None
-                break
-            best = e * unit if best is None else min(best, e * unit)
-        if best is None:
-            continue
-        align = lay.worker_align[wid]
-        best = best // align * align
-        if best > base:
-            tiers[tier] = best - base
 
 
 def _assemble(
@@ -489,13 +720,12 @@ def _assemble(
     gpu_end: list[int],
     cpu_end: list[int] | None,
     storage_end: list[int] | None,
-    multi: dict[WorkerId, list[int]],
     hit: int = -1,
 ) -> dict[WorkerId, Match]:
     """The answer: per worker with a non-zero total, its Match.
 
-    ``hit`` (when known) covers every simple slot with a non-zero end: few of them are
-    visited bit by bit, many are assembled by C loops over every position.
+    ``hit`` (when known) covers every slot with a non-zero end: few of them are visited
+    bit by bit, many are assembled by C loops over every position.
     """
     out: dict[WorkerId, Match]
     if hit >= 0 and hit.bit_count() * 8 < lay.nslots:
@@ -531,9 +761,6 @@ def _assemble(
         matches = map(_tuple_new, repeat(Match), zip(gpu_end, cpu, storage))
         # positions without a simple worker (None) have all-zero ends and are dropped
         out = dict(compress(zip(lay.pos_wids, matches), last))  # type: ignore[arg-type]
-    for wid, (g, c, st) in multi.items():
-        if g or c or st:
-            out[wid] = Match(g, c, st)
     return out
 
 

@@ -18,6 +18,7 @@ from kvevents.errors import ConfigError
 
 __all__ = [
     "CLI_FLAG",
+    "KVEVENTS_ONLY_FIELDS",
     "ZMQ_TRANSPORTS",
     "KVEventsConfig",
     "validate_endpoint",
@@ -32,6 +33,10 @@ ZMQ_TRANSPORTS: frozenset[str] = frozenset(
 """Transports an endpoint may name (those libzmq knows for PUB and ROUTER sockets)."""
 
 _TCP_ADDRESS = re.compile(r"^(?P<host>.+):(?P<port>[0-9]+)$")
+
+
+KVEVENTS_ONLY_FIELDS: tuple[str, ...] = ("curve_secret_key_file", "curve_authorized_keys_dir")
+"""Config fields vLLM does not have; the factory passes them only when they are set."""
 
 
 def validate_endpoint(endpoint: object, name: str = "endpoint") -> str:
@@ -94,6 +99,16 @@ class KVEventsConfig:
       thread (batches, >= 1).  When it is full, ``publish()`` drops the batch.
     * ``topic``: the first frame of every message; SUB sockets filter on its prefix.
 
+    Two fields are kvevents' own (vLLM has no socket security); both default to ``None``,
+    which keeps vLLM's behaviour:
+
+    * ``curve_secret_key_file``: the publisher's CURVE secret-key file (the
+      ``.key_secret`` that ``zmq.auth.create_certificates`` writes).  When set, the PUB
+      and ROUTER sockets require CURVE: only clients that know the matching public key
+      can connect, and the traffic is encrypted.
+    * ``curve_authorized_keys_dir``: a directory of client public-key files (``*.key``);
+      when set, only those clients may connect.  Needs ``curve_secret_key_file``.
+
     Raises :class:`~kvevents.errors.ConfigError` on any invalid value.
     """
 
@@ -105,6 +120,8 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    curve_secret_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -137,6 +154,15 @@ class KVEventsConfig:
         if not isinstance(self.topic, str):
             raise ConfigError(
                 f"topic must be a string, got {type(self.topic).__name__} {self.topic!r}"
+            )
+        for name in ("curve_secret_key_file", "curve_authorized_keys_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a non-empty path string or null, got {value!r}")
+        if self.curve_authorized_keys_dir is not None and self.curve_secret_key_file is None:
+            raise ConfigError(
+                "curve_authorized_keys_dir needs curve_secret_key_file (the publisher's "
+                ".key_secret file) as well"
             )
 
     # --- (de)serialisation ---------------------------------------------------------

@@ -5,7 +5,7 @@
 ``publisher="null"``, gives a :class:`NullEventPublisher`; otherwise the registered
 constructor for ``config.publisher`` is called as
 ``ctor(data_parallel_rank=rank, endpoint=…, replay_endpoint=…, buffer_steps=…, hwm=…,
-max_queue_size=…, topic=…)``.  The ZMQ publisher offsets both endpoints by the rank
+max_queue_size=…, topic=…)``, plus the CURVE fields when they are set.  The ZMQ publisher offsets both endpoints by the rank
 itself (:func:`offset_endpoint`), so every data-parallel rank gets its own sockets.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvevents.errors import ConfigError
 from kvevents.publishers.base import EventPublisher, NullEventPublisher
-from kvevents.publishers.config import KVEventsConfig
+from kvevents.publishers.config import KVEVENTS_ONLY_FIELDS, KVEventsConfig
 
 __all__ = [
     "PublisherConstructor",
@@ -84,6 +84,11 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
         )
     kwargs = config.to_dict()
     del kwargs["publisher"], kwargs["enable_kv_cache_events"]
+    # kvevents' own fields reach the constructor only when set, so a constructor with
+    # vLLM's signature keeps working.
+    for name in KVEVENTS_ONLY_FIELDS:
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)
     return ctor(data_parallel_rank=data_parallel_rank, **kwargs)
 
 

@@ -25,6 +25,7 @@ from kvevents.sim.cluster import (
 )
 from kvevents.sim.demo import (
     POLICIES,
+    POLICY_LABELS,
     DemoConfig,
     DemoReport,
     PolicyResult,
@@ -35,7 +36,15 @@ from kvevents.sim.demo import (
     waves,
     write_plot,
 )
-from kvevents.sim.engine import BatchSink, EngineStats, RequestResult, SimEngine, SimEngineConfig
+from kvevents.sim.engine import (
+    AdmissionRecord,
+    BatchSink,
+    BeforeLookup,
+    EngineStats,
+    RequestResult,
+    SimEngine,
+    SimEngineConfig,
+)
 from kvevents.sim.offload import (
     OffloadSimStats,
     SimOffload,
@@ -45,7 +54,10 @@ from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
     "POLICIES",
+    "POLICY_LABELS",
+    "AdmissionRecord",
     "BatchSink",
+    "BeforeLookup",
     "BlockPoolStats",
     "ClusterConfig",
     "DemoConfig",

@@ -1,8 +1,11 @@
 """The one-command demo: simulated engines, the subscriber, the index and the router.
 
-For each policy (KV-aware, round-robin, random) :func:`run_demo` starts fresh engines on
-loopback, subscribes to all of them, feeds every received batch into a ``BlockIndex`` on
-a consumer thread and routes the same seeded workload.  Requests arrive in waves (a
+For each policy (KV-aware, KV-aware on the GPU tier only, round-robin, random)
+:func:`run_demo` starts fresh engines on loopback, subscribes to all of them, feeds every
+received batch into a ``BlockIndex`` on a consumer thread and routes the same seeded
+workload.  The GPU-only KV-aware router is fed only the GPU events (as routers that drop
+events without tokens are: CPU offload placeholders carry none), so it cannot see what the
+CPU tier holds; the difference between the two KV-aware rows is what the join is worth.  Requests arrive in waves (a
 session never has two turns in one wave, as a chat waits for its answer); after each
 wave the engines run until idle and the index catches up with everything they
 published, so the KV-aware router always routes on the index's view of real events.
@@ -34,6 +37,7 @@ from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
     "POLICIES",
+    "POLICY_LABELS",
     "DemoConfig",
     "DemoReport",
     "PolicyResult",
@@ -47,8 +51,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POLICIES: tuple[str, ...] = ("kv-aware", "round-robin", "random")
-"""The routing policies the demo compares."""
+POLICIES: tuple[str, ...] = ("kv-aware", "kv-aware-gpu", "round-robin", "random")
+"""The routing policies the demo compares (``kv-aware-gpu``: KV-aware on GPU events only)."""
+
+POLICY_LABELS: dict[str, str] = {"kv-aware-gpu": "kv-aware (GPU only)"}
+"""How the report names a policy, where it differs from its id."""
+
+_KV_AWARE = ("kv-aware", "kv-aware-gpu")
 
 WorkerId = tuple[str, int]
 
@@ -192,11 +201,17 @@ class _Consumer:
     """Subscriber → BlockIndex on a thread; knows the last seq applied per worker."""
 
     def __init__(
-        self, cluster: SimCluster, engine: SimEngineConfig, capture: CaptureWriter | None
+        self,
+        cluster: SimCluster,
+        engine: SimEngineConfig,
+        capture: CaptureWriter | None,
+        *,
+        gpu_only: bool = False,
     ) -> None:
         from kvevents.consumers import BlockIndex, Router, Subscriber
 
         self.capture = capture
+        self.gpu_only = gpu_only
         self.lock = threading.Lock()
         self.subscriber = Subscriber(
             cluster.endpoints,
@@ -246,8 +261,9 @@ class _Consumer:
                         recv_ts=item.recv_ts,
                         replayed=item.replayed,
                     )
+                batch = _gpu_events(item.batch) if self.gpu_only else item.batch
                 with self.lock:
-                    self.index.apply(item.source, item.dp_rank, item.batch)
+                    self.index.apply(item.source, item.dp_rank, batch)
                 self.batches += 1
                 self.events += len(item.batch.events)
                 with self._cond:
@@ -286,6 +302,16 @@ class _Consumer:
         self.subscriber.close()
 
 
+def _gpu_events(batch: Any) -> Any:
+    """The batch without its CPU/STORAGE events (``medium`` ``None`` is GPU, ≤0.10)."""
+    from kvevents.events import MEDIUM_GPU, KVEventBatch
+
+    events = [e for e in batch.events if getattr(e, "medium", None) in (None, MEDIUM_GPU)]
+    if len(events) == len(batch.events):
+        return batch
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+
+
 def run_policy(
     policy: str,
     requests: Sequence[SimRequest],
@@ -316,7 +342,7 @@ def run_policy(
     try:
         if on_start is not None:
             on_start(policy, cluster)
-        consumer = _Consumer(cluster, engine_cfg, capture)
+        consumer = _Consumer(cluster, engine_cfg, capture, gpu_only=policy == "kv-aware-gpu")
         if config.hold_s > 0:
             time.sleep(config.hold_s)  # outside subscribers (kvevents record) join
         missing = cluster.announce(consumer.seen)
@@ -332,7 +358,7 @@ def run_policy(
         for wave in waves(requests, config.wave):
             loads: dict[WorkerId, float] = dict.fromkeys(workers, 0.0)
             for r in wave:
-                if policy == "kv-aware":
+                if policy in _KV_AWARE:
                     with consumer.lock:
                         sel = consumer.router.select(list(r.prompt), loads=loads)
                         wid = (str(sel[0]), int(sel[1]))
@@ -462,13 +488,13 @@ def format_report(report: DemoReport) -> str:
         "",
     ]
     header = (
-        f"{'policy':<12} {'GPU hit':>8} {'CPU hit':>8} {'total':>7} {'tokens saved':>13} "
+        f"{'policy':<20} {'GPU hit':>8} {'CPU hit':>8} {'total':>7} {'tokens saved':>13} "
         f"{'prefilled':>10} {'events':>8} {'events/s':>9} {'anomalies':>9}"
     )
     lines += [header, "-" * len(header)]
     for r in report.results:
         lines.append(
-            f"{r.policy:<12} {r.rate(r.gpu_hit_tokens):>8.1%} {r.rate(r.cpu_hit_tokens):>8.1%} "
+            f"{POLICY_LABELS.get(r.policy, r.policy):<20} {r.rate(r.gpu_hit_tokens):>8.1%} {r.rate(r.cpu_hit_tokens):>8.1%} "
             f"{r.hit_rate:>7.1%} {r.tokens_saved:>13,} {r.computed_tokens:>10,} {r.events:>8,} "
             f"{r.events_per_s:>9,.0f} {sum(r.anomalies.values()):>9}"
         )
@@ -482,13 +508,21 @@ def format_report(report: DemoReport) -> str:
                 f"for round-robin: {rr.computed_tokens / max(kv.computed_tokens, 1):.2f}x fewer "
                 "tokens to prefill."
             )
-    if "kv-aware" in names:
-        kv = report.result("kv-aware")
-        if kv.requests:
-            lines.append(
-                f"Router prediction (index built from the event stream) matched the engine's "
-                f"actual reuse exactly for {kv.predicted_exact}/{kv.requests} requests."
-            )
+    if "kv-aware" in names and "kv-aware-gpu" in names:
+        kv, gpu = report.result("kv-aware"), report.result("kv-aware-gpu")
+        lines.append(
+            f"Seeing the CPU tier (GPU and CPU events joined) reused {kv.hit_rate:.1%} vs "
+            f"{gpu.hit_rate:.1%} for a router fed GPU events only."
+        )
+    for policy in _KV_AWARE:
+        if policy in names:
+            kv = report.result(policy)
+            if kv.requests:
+                lines.append(
+                    f"Router prediction ({POLICY_LABELS.get(policy, policy)}, index built from "
+                    f"the event stream at arrival) matched the engine's actual reuse exactly "
+                    f"for {kv.predicted_exact}/{kv.requests} requests."
+                )
     for r in report.results:
         if r.anomalies:
             kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r.anomalies.items()))
@@ -556,8 +590,8 @@ def write_plot(report: DemoReport, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'kvevents[demo]')"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = [r.policy for r in report.results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    names = [POLICY_LABELS.get(r.policy, r.policy).replace(" (", "\n(") for r in report.results]
     gpu = [100 * r.rate(r.gpu_hit_tokens) for r in report.results]
     cpu = [100 * r.rate(r.cpu_hit_tokens) for r in report.results]
     ax1.bar(names, gpu, label="GPU hit", color="#3b75af")
@@ -569,7 +603,8 @@ def write_plot(report: DemoReport, path: str) -> str | None:
     ax1.set_title("prefix-cache hit rate by tier")
     ax1.legend(loc="upper right")
     for r in report.results:
-        ax2.plot(range(1, len(r.saved_curve) + 1), r.saved_curve, label=r.policy)
+        label = POLICY_LABELS.get(r.policy, r.policy)
+        ax2.plot(range(1, len(r.saved_curve) + 1), r.saved_curve, label=label)
     ax2.set_xlabel("requests routed")
     ax2.set_ylabel("prompt tokens saved (cumulative)")
     ax2.set_title("tokens saved over the workload")

@@ -6,8 +6,10 @@ the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3
   (``make_offload_key(raw[(c+1)·T/unit − 1], g)``), which is the GPU hash of the chunk's
   last block in that group.  The key's end position ``(c+1)·T`` is set on the request
   context (the LRU policy ranks a request's keys by it).
-* Lookup counts consecutive whole-chunk hits after the GPU hit, per group, and keeps the
-  smallest end; less than one chunk beyond the GPU hit in any group is no hit.
+* Lookup is vLLM's ``_lookup_complete_chunks``: a bound starting at the request's length,
+  tightened group by group to the end of its consecutive stored chunks from the chunk
+  holding the GPU hit's end; less than one of the group's chunks beyond the GPU hit is
+  no hit at all (partial chunks are never credited).
 * Stores: ``prepare_store``, then one batched device→host copy per group through the
   offload room's ``CPUTransferWorker``; ``complete_store`` runs at the start of a later
   step, once the copies have finished (the transfer is asynchronous in vLLM), so CPU
@@ -37,6 +39,7 @@ from typing import Any
 
 from kvevents.errors import ConfigError
 from kvevents.events import KVEvent
+from kvevents.sim.block_pool import NULL_BLOCK
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
@@ -56,6 +59,10 @@ class OffloadSimStats:
     """Counters of the simulated CPU tier (chunks are CPU chunks, blocks GPU blocks)."""
 
     lookups: int = 0
+    lookups_deferred: int = 0
+    chunks_not_offered_null: int = 0
+    cut_by_window: int = 0
+    """CPU lookups whose bound a sliding-window group lowered (or zeroed)."""
     chunks_stored: int = 0
     chunks_loaded: int = 0
     stores_rejected: int = 0
@@ -71,6 +78,7 @@ class _PendingStore:
     ctx: Any
     jobs: set[int]
     ok: bool = True
+    epoch: int = 0
 
 
 class SimOffload:
@@ -87,14 +95,28 @@ class SimOffload:
         page_bytes: int = 64,
         transfers: bool = True,
         device: str = "cpu",
+        eagle_drop: bool = False,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         off: Any = importlib.import_module("kvevents.publishers.offload")
         self._off = off
         self.blocks_per_chunk = blocks_per_chunk
+        self.eagle_drop = eagle_drop
         self.block_sizes = list(block_sizes)
         self.unit = math.gcd(*self.block_sizes)
         self.tokens_per_chunk = [bs * blocks_per_chunk for bs in self.block_sizes]
         self.hashes_per_chunk = [t // self.unit for t in self.tokens_per_chunk]
+        # sliding-window groups: the window in chunks (vLLM's
+        # sliding_window_size_in_chunks, with no extra retained tokens); None: full
+        self.windows = list(windows) if windows is not None else [None] * len(self.block_sizes)
+        self.window_chunks: list[int | None] = [
+            None if w is None else -(-w // tpc)
+            for w, tpc in zip(self.windows, self.tokens_per_chunk)
+        ]
+        # vLLM's lookup order: full-attention groups (prefix scan), then windowed ones
+        self.lookup_order = [g for g, w in enumerate(self.windows) if w is None] + [
+            g for g, w in enumerate(self.windows) if w is not None
+        ]
         self.page_bytes = page_bytes
         self.manager = off.CPUOffloadingManager(
             num_chunks, cache_policy=cache_policy, enable_events=True
@@ -104,6 +126,7 @@ class SimOffload:
         )
         self.stats = OffloadSimStats()
         self._pending: list[_PendingStore] = []
+        self._epoch = 0
         self._finished_jobs: dict[int, bool] = {}
         self._job_ids = itertools.count()
         self._ctx: dict[str, Any] = {}
@@ -144,26 +167,87 @@ class SimOffload:
         return ctx
 
     # --- scheduler-side calls -----------------------------------------------------------
-    def lookup(self, raw: Sequence[bytes], gpu_hit: int, limit: int, align: int) -> int:
-        """The end (in tokens) of the CPU hit after ``gpu_hit``, at most ``limit`` and a
-        multiple of ``align``; ``gpu_hit`` when the CPU tier adds nothing."""
+    def _probe(self, raw: Sequence[bytes], g: int, chunks: range) -> list[str | None]:
+        return [
+            getattr(self.manager.lookup(self.key(raw, g, c), None), "name", None) for c in chunks
+        ]
+
+    def lookup(self, raw: Sequence[bytes], gpu_hit: int, num_tokens: int) -> int | None:
+        """Tokens the CPU tier adds after a GPU hit of ``gpu_hit`` tokens, counted as vLLM's
+        ``OffloadingConnectorScheduler._lookup_complete_chunks`` counts them.
+
+        A running bound starts at ``num_tokens`` (one less with sliding-window groups).
+        Each group in vLLM's order (full attention first, then sliding window) first caps
+        it at its own chunk keys' end; if less than one of its chunks then lies beyond
+        the GPU hit, nothing is loaded.  A full-attention group counts the consecutive
+        stored chunks from the chunk holding the GPU hit's end (in eagle drop mode
+        dropping the last one); a sliding-window group scans from the bound backwards
+        for the window's worth of consecutive stored chunks (``_sliding_window_lookup``).
+        Either tightens the bound to the end of what it found; nothing found, or less
+        than one of its chunks beyond the GPU hit, means nothing at all.  When a group
+        after a sliding-window group lowers the bound, the sliding-window groups are
+        checked again at the new bound.  The answer is the final bound minus the GPU
+        hit: whole chunks of every group, never rounded to the groups' lcm.  ``None``
+        when a counted chunk is still being written (``HIT_PENDING``): vLLM then defers
+        the request and asks again in a later step.
+        """
         self.stats.lookups += 1
-        end = limit
-        for g, tpc in enumerate(self.tokens_per_chunk):
-            c = gpu_hit // tpc
-            last = -1
-            while (c + 1) * tpc <= limit:
-                res = self.manager.lookup(self.key(raw, g, c), None)
-                if getattr(res, "name", None) != "HIT":
-                    break
-                last = c
-                c += 1
-            group_end = tpc * (last + 1)
-            if last < 0 or group_end <= gpu_hit:
-                return gpu_hit
-            end = min(end, group_end)
-        end = (end // align) * align
-        return end if end > gpu_hit else gpu_hit
+        bound = num_tokens - (1 if any(w is not None for w in self.windows) else 0)
+        hit = 0
+        pending = False
+        order: list[int] = self.lookup_order
+        windowed = [g for g in self.lookup_order if self.windows[g] is not None]
+        while order:
+            looked_sw = False
+            groups, order = order, []
+            for g in groups:
+                tpc = self.tokens_per_chunk[g]
+                num_keys = len(raw) // self.hashes_per_chunk[g]
+                bound = min(bound, num_keys * tpc)
+                if bound - gpu_hit < tpc:
+                    return 0
+                first = gpu_hit // tpc
+                probes = self._probe(raw, g, range(first, min(-(-bound // tpc), num_keys)))
+                window = self.window_chunks[g]
+                found = 0
+                if window is None:
+                    for res in probes:
+                        if res not in ("HIT", "HIT_PENDING"):
+                            break
+                        pending |= res == "HIT_PENDING"
+                        found += 1
+                else:
+                    run = 0
+                    for i in range(len(probes) - 1, -1, -1):
+                        if probes[i] in ("HIT", "HIT_PENDING"):
+                            pending |= probes[i] == "HIT_PENDING"
+                            run += 1
+                        else:
+                            run = 0
+                        if run == window:
+                            found = i + window
+                            break
+                    else:
+                        found = run
+                if found == 0:
+                    self.stats.cut_by_window += window is not None
+                    return 0
+                if self.eagle_drop:
+                    found -= 1
+                if window is not None and tpc * (first + found) < bound:
+                    self.stats.cut_by_window += 1
+                bound = min(bound, tpc * (first + found))
+                new = bound - gpu_hit
+                if new < tpc:
+                    return 0
+                if new < hit and looked_sw and not order:
+                    order = list(windowed)  # confirm the windows at the lower bound
+                looked_sw |= window is not None
+                hit = new
+        if pending:
+            self.stats.lookups_deferred += 1
+            return None
+        return hit
 
     def load(
         self,
@@ -177,11 +261,15 @@ class SimOffload:
         ctx = self.context(req_id)
         for g, tpc in enumerate(self.tokens_per_chunk):
             bs = self.block_sizes[g]
-            chunks = list(range(start // tpc, -(-end // tpc)))
+            first, last = start // bs, end // bs
+            while first < last and blocks[g][first] == NULL_BLOCK:
+                first += 1  # a sliding-window group loads only the blocks it keeps
+            if first >= last:
+                continue
+            chunks = list(range(first * bs // tpc, -(-end // tpc)))
             keys = [self.key(raw, g, c) for c in chunks]
             spec = self.manager.prepare_load(keys, ctx)
             try:
-                first, last = start // bs, end // bs
                 if self.worker is not None and last > first:
                     job = next(self._job_ids)
                     dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
@@ -205,7 +293,11 @@ class SimOffload:
         where: dict[bytes, tuple[int, int]] = {}
         for g, tpc in enumerate(self.tokens_per_chunk):
             n_chunks = min(upto, len(raw) * self.unit) // tpc
+            bpc = self.blocks_per_chunk
             for c in range(offered[g], n_chunks):
+                if NULL_BLOCK in blocks[g][c * bpc : (c + 1) * bpc]:
+                    self.stats.chunks_not_offered_null += 1
+                    continue  # out of a sliding window: nothing on the GPU to copy
                 k = self.key(raw, g, c)
                 ctx.set_position(k, (c + 1) * tpc)
                 keys.append(k)
@@ -220,7 +312,7 @@ class SimOffload:
         to_store = [bytes(k) for k in out.keys_to_store]
         if not to_store:
             return len(keys)
-        pending = _PendingStore(to_store, ctx, set())
+        pending = _PendingStore(to_store, ctx, set(), epoch=self._epoch)
         chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
@@ -254,13 +346,16 @@ class SimOffload:
         return bool(self._pending)
 
     def complete_pending(self) -> None:
-        """Complete the stores whose copies have finished (in submission order)."""
+        """End of an engine step: complete the stores submitted in an earlier step whose
+        copies have finished (in submission order).  A store submitted in this step
+        completes at the end of the next one at the earliest, as vLLM's worker submits a
+        step's stores at the start of the following step."""
         if self.worker is not None:
             for r in self.worker.get_finished():
                 self._finished_jobs[r.job_id] = r.success
         still: list[_PendingStore] = []
         for p in self._pending:
-            if any(j not in self._finished_jobs for j in p.jobs) or still:
+            if p.epoch >= self._epoch or any(j not in self._finished_jobs for j in p.jobs) or still:
                 still.append(p)
                 continue
             ok = all(self._finished_jobs.pop(j) for j in p.jobs)
@@ -272,6 +367,7 @@ class SimOffload:
         self._finished_jobs = {
             j: s for j, s in self._finished_jobs.items() if any(j in p.jobs for p in still)
         }
+        self._epoch += 1
 
     def take_events(self) -> list[KVEvent]:
         """Manager events translated to KV events (placeholders), in manager order."""
@@ -302,6 +398,8 @@ class SimOffload:
         data = bytearray()
         for g, bs in enumerate(self.block_sizes):
             for i in range(start // bs, min(end // bs, len(digests[g]))):
+                if blocks[g][i] == NULL_BLOCK:
+                    continue
                 ids.append(blocks[g][i])
                 data += expected_block_bytes(digests[g][i], g, self.page_bytes)
         if not ids:
@@ -322,13 +420,14 @@ class SimOffload:
             return 0
         bad = 0
         for g, bs in enumerate(self.block_sizes):
-            first, last = start // bs, end // bs
-            if last <= first:
+            kept = [i for i in range(start // bs, end // bs) if blocks[g][i] != NULL_BLOCK]
+            if not kept:
                 continue
-            index = self._torch.tensor(list(blocks[g][first:last]), device=self.kv.device)
+            ids = [blocks[g][i] for i in kept]
+            index = self._torch.tensor(ids, device=self.kv.device)
             got = self.kv.index_select(0, index).cpu().numpy().tobytes()
             p = self.page_bytes
-            for j, i in enumerate(range(first, last)):
+            for j, i in enumerate(kept):
                 if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
                     bad += 1
         return bad

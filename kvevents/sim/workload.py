@@ -6,6 +6,12 @@ answer, plus a new user message, so later turns extend earlier ones token for to
 Sessions are interleaved at random, the way a real front end sees them.  Everything is
 drawn from one :class:`random.Random` seeded with :attr:`WorkloadConfig.seed`, so the same
 config always yields the same requests.
+
+A session can also carry what vLLM keys blocks by besides tokens, each drawn once per
+session: a LoRA adapter (``lora_names``), a cache salt (``cache_salts``) and images
+(``images``): an image is a run of identical placeholder tokens right after the system
+prompt, told apart only by its identifier, as vLLM's multimodal placeholders are.  With
+the defaults none is drawn and the workload is the plain one.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import random
 from dataclasses import dataclass, field
 
 from kvevents.errors import ConfigError
+from kvevents.request import MMFeature, RequestKey
+from kvevents.sim.keys import SimKey
 
 __all__ = ["SimRequest", "WorkloadConfig", "generate_workload"]
 
@@ -36,6 +44,11 @@ class WorkloadConfig:
     turns_per_session: tuple[int, int] = (2, 6)
     vocab_size: int = 32_000
     seed: int = 0
+    lora_names: tuple[str | None, ...] = (None,)
+    cache_salts: tuple[str | None, ...] = (None,)
+    images: int = 0
+    image_tokens: tuple[int, int] = (24, 40)
+    image_placeholder: int = 1
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` when a field is out of range."""
@@ -57,6 +70,14 @@ class WorkloadConfig:
             raise ConfigError("turns_per_session must start at >= 1")
         if self.vocab_size < 2:
             raise ConfigError("vocab_size must be >= 2")
+        if not self.lora_names or not self.cache_salts:
+            raise ConfigError("lora_names and cache_salts need at least one entry")
+        if (
+            self.images < 0
+            or self.image_tokens[0] < 1
+            or self.image_tokens[1] < self.image_tokens[0]
+        ):
+            raise ConfigError("images must be >= 0 and image_tokens a range starting at >= 1")
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,9 @@ class SimRequest:
 
     ``prompt`` is the full prompt (system prompt, history, new message); ``output`` the
     tokens the engine will generate for it.  ``turn`` counts from 0 within ``session``.
+    ``lora_name``, ``cache_salt``, ``mm_features`` (offset-sorted placeholder ranges in
+    the prompt) and ``prompt_embeds`` (one ``bytes`` row per prompt token) are what vLLM
+    keys blocks by besides tokens.
     """
 
     request_id: str
@@ -74,11 +98,35 @@ class SimRequest:
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     lora_name: str | None = None
+    cache_salt: str | None = None
+    mm_features: tuple[MMFeature, ...] = ()
+    prompt_embeds: tuple[bytes, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus output length."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def key(self) -> RequestKey:
+        """The prompt as a router is asked about it."""
+        return RequestKey(
+            self.prompt,
+            lora_name=self.lora_name,
+            cache_salt=self.cache_salt,
+            mm_features=self.mm_features,
+            prompt_embeds=self.prompt_embeds,
+        )
+
+    @property
+    def sim_key(self) -> SimKey:
+        """The extras the engine's hasher reads (an empty salt is no salt, as in vLLM)."""
+        return SimKey(
+            self.lora_name,
+            self.cache_salt or None,
+            tuple(sorted((MMFeature(*f) for f in self.mm_features), key=lambda f: f.offset)),
+            self.prompt_embeds,
+        )
 
 
 @dataclass
@@ -88,6 +136,9 @@ class _Session:
     turns_left: int
     history: list[int] = field(default_factory=list)
     turn: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    mm: tuple[MMFeature, ...] = ()
 
 
 def generate_workload(config: WorkloadConfig) -> list[SimRequest]:
@@ -99,6 +150,7 @@ def generate_workload(config: WorkloadConfig) -> list[SimRequest]:
         return [rng.randrange(1, config.vocab_size) for _ in range(rng.randint(*span))]
 
     system_prompts = [tokens(config.system_prompt_tokens) for _ in range(config.num_tenants)]
+    image_lengths = [rng.randint(*config.image_tokens) for _ in range(config.images)]
     sessions: list[_Session] = []
     next_sid = 0
 
@@ -107,6 +159,23 @@ def generate_workload(config: WorkloadConfig) -> list[SimRequest]:
         tenant = rng.randrange(config.num_tenants)
         s = _Session(next_sid, tenant, rng.randint(*config.turns_per_session))
         s.history = list(system_prompts[tenant])
+        # extras are drawn only when configured, so a plain workload stays the same
+        if len(config.lora_names) > 1:
+            s.lora_name = rng.choice(config.lora_names)
+        else:
+            s.lora_name = config.lora_names[0]
+        if len(config.cache_salts) > 1:
+            s.cache_salt = rng.choice(config.cache_salts)
+        else:
+            s.cache_salt = config.cache_salts[0]
+        if config.images:
+            # an image right after the system prompt, from a small shared pool: the
+            # same placeholder tokens under different identifiers
+            image = rng.randrange(config.images + 1)
+            if image < config.images:
+                length = image_lengths[image]
+                s.mm = (MMFeature(f"image-{image}", len(s.history), length),)
+                s.history += [config.image_placeholder] * length
         next_sid += 1
         return s
 
@@ -126,6 +195,9 @@ def generate_workload(config: WorkloadConfig) -> list[SimRequest]:
                 turn=s.turn,
                 prompt=tuple(prompt),
                 output=tuple(answer),
+                lora_name=s.lora_name,
+                cache_salt=s.cache_salt,
+                mm_features=s.mm,
             )
         )
         s.history = prompt + answer

@@ -43,6 +43,16 @@ def test_kv_aware_routing_beats_round_robin_and_random(quick_report: DemoReport)
     assert kv.predicted_exact >= 0.8 * kv.requests
 
 
+def test_the_gpu_only_router_sees_no_cpu_tier(quick_report: DemoReport) -> None:
+    kv, gpu = quick_report.result("kv-aware"), quick_report.result("kv-aware-gpu")
+    assert gpu.requests == kv.requests and gpu.prompt_tokens == kv.prompt_tokens
+    assert not gpu.anomalies
+    # its index was fed GPU events only; the engines still have (and use) a CPU tier
+    assert all(tiers["CPU"][0] == 0 for tiers in gpu.index_holdings.values())
+    assert any(tiers["CPU"][0] > 0 for tiers in kv.index_holdings.values())
+    assert gpu.cpu_hit_tokens > 0
+
+
 def test_the_demo_command_prints_the_comparison_and_writes_a_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -50,8 +60,9 @@ def test_the_demo_command_prints_the_comparison_and_writes_a_png(
     png = tmp_path / "demo.png"
     assert main(["demo", "--quick", "--seed", "3", "--plot", str(png), "-q"]) == 0
     out = capsys.readouterr().out
-    for policy in ("kv-aware", "round-robin", "random"):
+    for policy in ("kv-aware ", "kv-aware (GPU only)", "round-robin", "random"):
         assert any(line.startswith(policy) for line in out.splitlines())
+    assert "for a router fed GPU events only" in out
     assert "GPU hit" in out and "CPU hit" in out and "tokens saved" in out
     assert "KV-aware routing reused" in out
     assert f"plot written to {png}" in out

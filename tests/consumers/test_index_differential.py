@@ -5,8 +5,8 @@ removals (before or after their GPU store), AllBlocksCleared and worker resets, 
 workers with different block sizes and a hybrid worker with two full-attention groups.
 After every step ``find_matches`` must agree with a model that knows nothing of hashes,
 bitsets or content keys: it keeps, per worker, tier and group, a multiset of the
-*token prefixes* each block (GPU) or chunk (CPU/STORAGE) ends, and applies the
-definitions of DESIGN §4 literally.
+*token prefixes* each block (GPU) or chunk (CPU/STORAGE) ends, and applies vLLM's lookup
+literally (tests/consumers/_vllm_model.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import cache
 
+from _vllm_model import Group, expected_match
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -79,37 +80,14 @@ class Model:
         return self.counter(w, tier, g)[prefix] > 0
 
     def expected(self, tokens: tuple[int, ...]) -> dict[tuple[str, int], Match]:
+        """vLLM's rules worker by worker (tests/consumers/_vllm_model.py)."""
         out = {}
-        n = len(tokens)
         for w, groups in WORKERS.items():
-            gpu_g = []
-            for g, s in groups:
-                m = 0
-                while (m + 1) * s <= n and self.holds(w, "GPU", g, tokens[: (m + 1) * s]):
-                    m += 1
-                gpu_g.append(m * s)
-            lcm = max(s for _, s in groups)  # sizes here are 16 and 32
-            gpu = min(gpu_g) // lcm * lcm
-            tiers = [gpu, 0, 0]
-            base = gpu
-            for t, tier in ((1, "CPU"), (2, "STORAGE")):
-                ends = []
-                for g, s in groups:
-                    size = BPC * s
-                    c = base // size
-                    last = None
-                    while (c + 1) * size <= n and self.holds(w, tier, g, tokens[: (c + 1) * size]):
-                        last = c
-                        c += 1
-                    ends.append(None if last is None else size * (last + 1))
-                add = 0
-                if all(e is not None and e - base >= BPC * s for e, (_, s) in zip(ends, groups)):
-                    end = min(e for e in ends if e is not None) // lcm * lcm
-                    add = max(0, end - base)
-                tiers[t] = add
-                base += add
-            if any(tiers):
-                out[w] = Match(*tiers)
+            held = {(g, tier): {p for p, c in self.counter(w, tier, g).items() if c > 0}
+                    for g, _ in groups for tier in TIERS}  # fmt: skip
+            m = expected_match([Group(s) for _, s in groups], held, tokens, BPC)
+            if any(m):
+                out[w] = m
         return out
 
 

@@ -19,6 +19,9 @@ from kvevents.hashing import hash_request_blocks, to_wire_hash
 W = ("tcp://engine-a:5557", 0)
 TOKENS = list(range(100, 164))  # C§8.5 scenario A/B tokens 100..163
 H = [10428775992902877628, 8101442038445348984, 9222808348315984622, 10472129487708613277]
+# vLLM never reuses a prompt's last token (KVCacheManager.get_computed_blocks caps the hit
+# at num_tokens - 1, in whole blocks): the 64-token prompt held entirely on GPU reuses 48.
+HELD = 48
 
 
 def wire(tokens: Sequence[int], size: int, algo: str = "sha256_cbor") -> list[int]:
@@ -35,8 +38,11 @@ def gpu_store(
     group: int = 0,
     kind: str | None = "full_attention",
     lora: str | None = None,
+    window: int | None = None,
 ) -> BlockStored:
     stop = len(hashes) if stop is None else stop
+    # vLLM's BlockPool puts the adapter name in every block's extra keys
+    # (to_event_extra_keys), besides lora_name
     return BlockStored(
         hashes[start:stop],
         hashes[start - 1] if start else None,
@@ -45,8 +51,10 @@ def gpu_store(
         None,
         "GPU",
         lora,
+        extra_keys=[(lora,)] * (stop - start) if lora is not None else None,
         group_idx=group,
         kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
     )
 
 
@@ -74,7 +82,7 @@ def test_scenario_a_placeholders_join_and_give_whole_chunks() -> None:
     feed(index, gpu_store(H, TOKENS, 16), placeholder(H[1]), placeholder(H[3]))
     assert index.stats.joined == 2 and index.stats.pending == 0
     assert index.blocks_per_chunk(W) == 2  # learned: tails at blocks 2 and 4
-    assert router.find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
     feed(index, *gpu_removed(H))
     # each chunk is exactly blocks_per_chunk x block_size = 32 tokens
     assert router.find_matches(TOKENS) == {W: Match(0, 64, 0)}
@@ -134,7 +142,7 @@ def test_scenario_b_hybrid_groups_join_in_one_batch() -> None:
     feed(
         index,
         gpu_store(g0, TOKENS, 16, group=0),
-        gpu_store(g1, TOKENS, 8, group=1, kind="sliding_window"),
+        gpu_store(g1, TOKENS, 8, group=1, kind="sliding_window", window=16),
         # the tracker's stored event [g0c0, g0c1, g1c0, g1c1] (C§8.5 B, g0 as placeholders)
         placeholder(raw[3], group=0),
         placeholder(raw[7], group=0),
@@ -149,11 +157,14 @@ def test_scenario_b_hybrid_groups_join_in_one_batch() -> None:
     assert (b0.block_size, b0.token_ids) == (16, tuple(range(100, 116)))
     assert (b1.block_size, b1.token_ids) == (8, tuple(range(108, 116)))
     assert b1.kind == "sliding_window" and not b1.indexed and b0.indexed
-    # only the full-attention group scores; the SWA group is kept and counted as skipped
-    assert router.find_matches(TOKENS) == {W: Match(64, 0, 0)}
-    assert index.stats.skipped["kind:sliding_window"] == len(g1)
+    # HybridKVCacheCoordinator: the full group reuses 48 of the 63 reusable tokens
+    # (aligned to lcm(16, 8)); the sliding-window group holds the two 8-token blocks its
+    # window of 16 needs before token 48, so the hit stays 48
+    assert router.find_matches(TOKENS) == {W: Match(48, 0, 0)}
     feed(index, *gpu_removed(g0, 0), *gpu_removed(g1, 1))
-    assert router.find_matches(TOKENS) == {W: Match(0, 32, 0)}  # bpc learned = 1
+    # _lookup_complete_chunks (bpc learned = 1): the full group's chunks end at 32, then
+    # the sliding-window group's last run of cdiv(16, 8) = 2 chunks ends at 16
+    assert router.find_matches(TOKENS) == {W: Match(0, 16, 0)}
     feed(index, BlockRemoved([raw[3], raw[7]], "CPU", group_idx=0))
     feed(index, BlockRemoved([raw[1], raw[3]], "CPU", group_idx=1))
     assert router.find_matches(TOKENS) == {}
@@ -271,7 +282,7 @@ def test_removals_of_unknown_hashes_are_counted_and_harmless() -> None:
     feed(index, BlockRemoved([123], "GPU", group_idx=0), BlockRemoved([456], "CPU", group_idx=0),
          BlockRemoved([H[0]], "GPU", group_idx=7))  # fmt: skip
     assert index.stats.unknown_removals == {"GPU": 2, "CPU": 1}
-    assert router.find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
 
 
 def test_all_blocks_cleared_drops_every_tier_but_keeps_join_metadata() -> None:
@@ -299,7 +310,7 @@ def test_reset_worker_forgets_metadata_and_remove_worker_frees_it() -> None:
     index.remove_worker(other)
     assert index.workers() == [W] and router.find_matches(TOKENS) == {}
     feed(index, gpu_store(H, TOKENS, 16))  # joins the pending placeholder
-    assert router.find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
     assert index.stats.joined_late == 1
 
 
@@ -348,8 +359,10 @@ def test_engines_with_different_block_sizes_and_hash_algorithms_share_one_index(
     router = Router(index)
     feed(index, gpu_store(wire(TOKENS, 16), TOKENS, 16), worker=a)
     feed(index, gpu_store(wire(TOKENS, 32, "sha256"), TOKENS, 32), worker=b)
-    assert router.find_matches(TOKENS) == {a: Match(64, 0, 0), b: Match(64, 0, 0)}
-    assert router.find_matches(TOKENS[:48]) == {a: Match(48, 0, 0), b: Match(32, 0, 0)}
+    # the last token is recomputed: 63 reusable tokens are 3 blocks of 16 or 1 of 32
+    assert router.find_matches(TOKENS) == {a: Match(48, 0, 0), b: Match(32, 0, 0)}
+    assert router.find_matches(TOKENS[:49]) == {a: Match(48, 0, 0), b: Match(32, 0, 0)}
+    assert router.find_matches(TOKENS[:48]) == {a: Match(32, 0, 0), b: Match(32, 0, 0)}
     assert router.find_matches([*TOKENS[:16], 9, *TOKENS[17:]]) == {a: Match(16, 0, 0)}
 
 
@@ -358,7 +371,8 @@ def test_lora_and_extra_keys_separate_content() -> None:
     router = Router(index)
     feed(index, gpu_store(H, TOKENS, 16, lora="adapter-x"))
     assert router.find_matches(TOKENS) == {}
-    assert router.find_matches(TOKENS, lora_name="adapter-x") == {W: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS, lora_name="adapter-x") == {W: Match(HELD, 0, 0)}
+    assert router.find_matches(TOKENS, lora_name="adapter-y") == {}
     salted = BlockStored(H[:1], None, TOKENS[:16], 16, None, "GPU", None,
                          extra_keys=[("salt",)], group_idx=0)  # fmt: skip
     index2 = BlockIndex()
@@ -372,7 +386,7 @@ def test_kindless_groups_are_indexable_only_when_alone() -> None:
     index = BlockIndex()
     router = Router(index)
     feed(index, gpu_store(H, TOKENS, 16, kind=None))
-    assert router.find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
     feed(index, gpu_store(H, TOKENS, 16, kind=None, group=1))
     assert router.find_matches(TOKENS) == {}
 
@@ -390,7 +404,7 @@ def test_unmatchable_block_sizes_and_unknown_parents_are_skipped_with_reasons() 
     assert router.find_matches(TOKENS) == {}
     # the prefix arrives later: re-announcing the blocks heals them
     feed(index, gpu_store(H, TOKENS, 16), worker=other)
-    assert router.find_matches(TOKENS) == {other: Match(64, 0, 0)}
+    assert router.find_matches(TOKENS) == {other: Match(HELD, 0, 0)}
 
 
 def test_unknown_medium_is_skipped_and_summary_reports_tiers() -> None:
@@ -435,7 +449,7 @@ def test_self_describing_partial_tail_joins_its_last_hash() -> None:
     feed(index, BlockStored(raw4[4:6], raw4[3], TOKENS[16:24], 4, None, "CPU", None, group_idx=0))
     assert index.stats.skipped["self_describing_partial"] == 1
     assert index.pending_count == 1  # waits for a GPU store of that hash; never guessed
-    assert Router(index).find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert Router(index).find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
 
 
 def test_legacy_hash_keying_two_groups_goes_to_each_group_once() -> None:
@@ -462,7 +476,7 @@ def test_malformed_stores_are_counted_and_lose_nothing_else() -> None:
     )
     assert index.stats.skipped["short_token_ids"] == 1
     assert index.stats.skipped["bad_block_size"] == 1
-    assert Router(index).find_matches(TOKENS) == {W: Match(64, 0, 0)}
+    assert Router(index).find_matches(TOKENS) == {W: Match(HELD, 0, 0)}
     assert index.stats.applied == 3 and index.stats.batches == 1
 
 
@@ -473,10 +487,15 @@ def test_hybrid_cpu_credit_checks_each_group_against_its_own_chunk() -> None:
     feed(index, gpu_store(raw, TOKENS, 16, group=0), gpu_store(g1, TOKENS, 32, group=1))
     feed(index, placeholder(raw[1], group=0), placeholder(g1[1], group=1))
     feed(index, *gpu_removed(raw, 0), *gpu_removed(g1, 1))
-    # group 0 adds its chunk 0 (32 tokens), group 1 its chunk 0 (64): the smaller end wins
-    assert Router(index).find_matches(TOKENS) == {W: Match(0, 32, 0)}
-    feed(index, BlockRemoved([g1[1]], "CPU", group_idx=1))
+    # _lookup_complete_chunks: group 0's chunks bound the hit at 32 tokens, which leaves
+    # less than one of group 1's 64-token chunks: nothing is loaded
     assert Router(index).find_matches(TOKENS) == {}
+    # a longer prompt: both groups hold chunk 0 on CPU, and group 0 also its chunk 1
+    longer = TOKENS + list(range(164, 228))
+    feed(index, placeholder(raw[3], group=0))
+    assert Router(index).find_matches(longer) == {W: Match(0, 64, 0)}
+    feed(index, BlockRemoved([g1[1]], "CPU", group_idx=1))
+    assert Router(index).find_matches(longer) == {}
 
 
 @pytest.mark.parametrize(

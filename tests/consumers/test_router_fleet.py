@@ -2,8 +2,8 @@
 
 The differential test drives three workers through long random histories; this one
 builds fleets of up to 40 workers (bitsets wider than one machine word, freed slots)
-with random GPU holes, CPU and STORAGE chunks, and checks every answer against the
-definitions of DESIGN §4 applied worker by worker.  Uniform fleets (one block size,
+with random GPU holes, CPU and STORAGE chunks, and checks every answer against a literal
+model of vLLM's lookup applied worker by worker.  Uniform fleets (one block size,
 one chunk size) take the router's fused path; mixed and hybrid fleets the general one.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from _vllm_model import Group, expected_match
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,41 +126,13 @@ def build(fleet: list[WorkerSpec], removed: set[int]) -> tuple[BlockIndex, dict[
 def expected(
     fleet: list[WorkerSpec], model: dict[int, Held], tokens: tuple[int, ...]
 ) -> dict[tuple[str, int], Match]:
-    """DESIGN §4 worker by worker: GPU run per group, then whole chunks per tier."""
+    """vLLM's rules worker by worker (tests/consumers/_vllm_model.py)."""
     out = {}
-    n = len(tokens)
     for w, held in model.items():
-        sizes = fleet[w].groups
-        bpc = fleet[w].bpc
-        per_group = []
-        for g, s in enumerate(sizes):
-            m = 0
-            while (m + 1) * s <= n and tokens[: (m + 1) * s] in held[(g, "GPU")]:
-                m += 1
-            per_group.append(m * s)
-        lcm = max(sizes)  # sizes are 16 and 32
-        gpu = min(per_group) // lcm * lcm
-        tiers = [gpu, 0, 0]
-        base = gpu
-        for ti, tier in ((1, "CPU"), (2, "STORAGE")):
-            ends: list[int | None] = []
-            for g, s in enumerate(sizes):
-                size = bpc * s
-                last = None
-                if size:
-                    c = base // size
-                    while (c + 1) * size <= n and tokens[: (c + 1) * size] in held[(g, tier)]:
-                        last = c
-                        c += 1
-                ends.append(None if last is None else size * (last + 1))
-            add = 0
-            if all(e is not None and e - base >= bpc * s for e, s in zip(ends, sizes)):
-                end = min(e for e in ends if e is not None) // lcm * lcm
-                add = max(0, end - base)
-            tiers[ti] = add
-            base += add
-        if any(tiers):
-            out[("w", w)] = Match(*tiers)
+        groups = [Group(s) for s in fleet[w].groups]
+        m = expected_match(groups, held, tokens, fleet[w].bpc)
+        if any(m):
+            out[("w", w)] = m
     return out
 
 

@@ -41,6 +41,9 @@ def test_defaults_are_vllms() -> None:
         "hwm": 100_000,
         "max_queue_size": 100_000,
         "topic": "",
+        # kvevents' own, off by default (vLLM has no socket security).
+        "curve_secret_key_file": None,
+        "curve_authorized_keys_dir": None,
     }
 
 
@@ -318,3 +321,33 @@ def test_config_json_round_trips_through_the_cli_flag() -> None:
     cfg = KVEventsConfig(enable_kv_cache_events=True, buffer_steps=7, hwm=0)
     assert KVEventsConfig.from_cli(["--kv-events-config", cfg.to_json()]) == cfg
     assert json.loads(cfg.to_json())["publisher"] == "zmq"
+
+
+def test_curve_fields_reach_the_constructor_only_when_set(list_kind: str) -> None:
+    cfg = KVEventsConfig.from_json(
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": list_kind,
+                "curve_secret_key_file": "keys/engine.key_secret",
+                "curve_authorized_keys_dir": "allowed",
+            }
+        )
+    )
+    pub = create_publisher(cfg)
+    assert isinstance(pub, _ListPublisher)
+    assert pub.kwargs["curve_secret_key_file"] == "keys/engine.key_secret"
+    assert pub.kwargs["curve_authorized_keys_dir"] == "allowed"
+
+
+def test_curve_field_errors() -> None:
+    with pytest.raises(ConfigError, match="needs curve_secret_key_file"):
+        KVEventsConfig(curve_authorized_keys_dir="allowed")
+    with pytest.raises(ConfigError, match="curve_secret_key_file must be"):
+        KVEventsConfig(curve_secret_key_file="")
+    # A key file that does not exist is reported when the publisher is built.
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://*:0", curve_secret_key_file="/nonexistent"
+    )
+    with pytest.raises(ConfigError, match="does not exist"):
+        create_publisher(cfg)

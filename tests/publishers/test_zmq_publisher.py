@@ -265,7 +265,7 @@ def test_stalled_replay_client_blocks_neither_live_nor_other_clients(
     for _ in range(200):
         recv(sub)
     # A client that asks for many replays and reads nothing, with tiny buffers: its
-    # pipe fills (ROUTER SNDHWM is 2 * (buffer_steps + 1)) and the replay stalls.
+    # pipe fills (ROUTER SNDHWM is replay_sndhwm) and the replay stalls.
     stuck = dealer(ctx, pub.replay_endpoint, RCVHWM=1, RCVBUF=4096)
     for _ in range(30):
         stuck.send_multipart([b"", pack_seq(0)])
@@ -282,7 +282,7 @@ def test_stalled_replay_client_blocks_neither_live_nor_other_clients(
     wait_until(lambda: pub.stats.replay_drop_reasons["client_stalled"] > 0, what="abandon")
     # All of its pending replays are dropped together, and the accounting adds up:
     # every reply of the 30 replays (200 batches + end marker) was sent or dropped.
-    wait_until(lambda: not pub._replays, what="replays settled")
+    wait_until(lambda: pub._pending == 0, what="replays settled")
     sent = pub.stats.replay_batches_sent - 10 + pub.stats.replays_completed - 1
     assert sent + pub.stats.replay_batches_dropped == 30 * 201
     for s in (stuck, healthy, sub):

@@ -183,9 +183,7 @@ def test_the_event_stream_mirrors_the_pool_contents(
             held[key] -= 1
     live = +held
     pool_keys = Counter(
-        (to_wire_hash(k[0]), k[1])
-        for b in range(e.pool.num_blocks)
-        if (k := e.pool.block_key(b)) is not None
+        (to_wire_hash(k[0]), k[1]) for b in range(e.pool.num_blocks) for k in e.pool.block_keys(b)
     )
     assert live == pool_keys
 
