@@ -1,10 +1,16 @@
-"""Write examples/sample.kvcap: a small, hand-built capture of one engine's stream.
+"""Write a small, hand-built capture of one engine's stream (how examples/sample.kvcap,
+which the docs and tests read, was made).
 
-It shows a GPU store of two 16-token blocks (vLLM sha256_cbor hashes), their offload
-to CPU as a placeholder (block_size 0, no tokens), a GPU eviction, a replayed batch
-and a seq gap.  Run: python examples/make_sample_capture.py
+It shows a GPU store of two 16-token blocks (vLLM sha256_cbor hashes), the offload of
+the second to CPU as a placeholder (block_size 0, no tokens), a GPU eviction, and a seq
+gap (seq 3 is missing) before the last batch, which evicts from both tiers.
+
+Run: python examples/make_sample_capture.py [OUT.kvcap]   (default: a new temporary
+directory; the tracked examples/sample.kvcap is never rewritten unless named)
 """
 
+import sys
+import tempfile
 from pathlib import Path
 
 from kvevents import BlockRemoved, BlockStored, CaptureWriter, KVEventBatch, encode_batch
@@ -34,7 +40,10 @@ batches = [
     (2, [BlockRemoved([h1], "GPU", group_idx=0)]),
     (4, [BlockRemoved([h0], "GPU", group_idx=0), BlockRemoved([h1], "CPU", group_idx=0)]),
 ]
-out = Path(__file__).with_name("sample.kvcap")
+if len(sys.argv) > 1:
+    out = Path(sys.argv[1])
+else:
+    out = Path(tempfile.mkdtemp(prefix="kvevents-sample-")) / "sample.kvcap"
 with CaptureWriter(out, meta={"description": "kvevents sample capture"}) as w:
     for i, (seq, events) in enumerate(batches):
         payload = encode_batch(KVEventBatch(1700000000.0 + i, events, 0))

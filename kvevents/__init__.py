@@ -39,6 +39,7 @@ from kvevents.errors import (
     EncodeError,
     FrameError,
     KVEventsError,
+    MissingDependencyError,
     OffloadError,
     PublisherClosedError,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "KVEventsError",
     "LiveMessage",
     "MMFeature",
+    "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
     "ReplayReply",

@@ -3,13 +3,17 @@
 Each subcommand imports what it needs lazily, so ``kvevents inspect`` starts fast and
 never imports torch.  Exit status: 0 on success, 2 for a usage or input error (with a
 one-line ``kvevents: error: ...`` on stderr), 130 when interrupted where a command has
-nothing to save.
+nothing to save.  Progress (a bar or a status line) goes to stderr, and only when stderr
+is a terminal.  Also runnable as ``python -m kvevents``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
+import os
 import signal
 import sys
 import threading
@@ -20,7 +24,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import IO, Any
 
-from kvevents.errors import ConfigError, KVEventsError
+from kvevents.errors import ConfigError, KVEventsError, require_module
 
 __all__ = ["build_parser", "main"]
 
@@ -45,16 +49,23 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _is_tty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream
+        return False
+
+
 class _StatusLine:
-    """A single self-overwriting status line on a terminal; periodic lines otherwise."""
+    """A single self-overwriting status line (a live counter) on a terminal; silent when
+    the stream is not a terminal."""
 
     def __init__(self, stream: IO[str], interval_s: float = 0.5, enabled: bool = True) -> None:
         self.stream = stream
-        self.interval_s = interval_s if stream.isatty() else max(interval_s, 5.0)
-        self.enabled = enabled
-        self.tty = stream.isatty()
-        # Redirected output gets a line every few seconds, the first after one interval.
-        self._last = 0.0 if self.tty else time.monotonic()
+        self.interval_s = interval_s
+        self.tty = _is_tty(stream)
+        self.enabled = enabled and self.tty
+        self._last = 0.0
         self._width = 0
 
     def update(self, text: str, *, force: bool = False) -> None:
@@ -62,18 +73,16 @@ class _StatusLine:
         if not self.enabled or (not force and now - self._last < self.interval_s):
             return
         self._last = now
-        if self.tty:
-            pad = max(0, self._width - len(text))
-            self.stream.write("\r" + text + " " * pad)
-            self._width = len(text)
-        else:
-            self.stream.write(text + "\n")
+        pad = max(0, self._width - len(text))
+        self.stream.write("\r" + text + " " * pad)
+        self._width = len(text)
         self.stream.flush()
 
     def done(self) -> None:
-        if self.enabled and self.tty and self._width:
+        if self.enabled and self._width:
             self.stream.write("\n")
             self.stream.flush()
+            self._width = 0
 
 
 def _json_default(value: Any) -> Any:
@@ -196,24 +205,38 @@ def _cmd_record(args: argparse.Namespace) -> int:
 # --- inspect -----------------------------------------------------------------------------
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from kvevents.capture import CaptureReader
-    from kvevents.inspection import EventFilter, dumps_event, format_event, iter_events, summarize
+    from kvevents.inspection import (
+        CaptureValues,
+        EventFilter,
+        dumps_event,
+        format_event,
+        iter_events,
+        summarize,
+    )
 
     flt = EventFilter(type=args.type, medium=args.medium, group=args.group, worker=args.worker)
+    values = CaptureValues()
     with CaptureReader(args.file) as reader:
         if args.summary:
-            summary = summarize(reader, flt)
+            records = _with_byte_progress(reader, args.file, "summarizing")
+            summary = summarize(records, flt, values if flt.active else None)
             summary.tail_error = reader.tail_error
             summary.meta = dict(reader.meta)
+            if flt.active and summary.events == 0:
+                values.check(flt)  # a value the capture does not hold: say which it holds
             if args.json:
                 print(json.dumps(summary.to_json(), default=_json_default))
             else:
                 print(summary.to_text())
+            shown = summary.events
         else:
             errors: list[Any] = []
             shown = 0
             for ev in iter_events(reader, errors=errors):
-                if not flt.matches(ev):
-                    continue
+                if flt.active:
+                    values.observe(ev)
+                    if not flt.matches(ev):
+                        continue
                 print(dumps_event(ev) if args.json else format_event(ev))
                 shown += 1
                 if args.limit is not None and shown >= args.limit:
@@ -227,7 +250,63 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 f"warning: {args.file}: {reader.tail_error}; the records before it were read",
                 file=sys.stderr,
             )
+    if flt.active and shown == 0:
+        values.check(flt)
+        print("no event matched all the filters together", file=sys.stderr)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {value:g}")
+    return value
+
+
+def _group_index(text: str) -> int:
+    """argparse type: a KV-cache group index (an integer >= 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a group index (0, 1, ...), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"want a group index (0, 1, ...), got {value}")
+    return value
+
+
+def _with_byte_progress(reader: Any, path: str, desc: str) -> Iterator[Any]:
+    """``reader``'s records, with a progress bar over the file's bytes on a terminal."""
+    try:
+        total = os.path.getsize(path)
+    except OSError:
+        total = 0
+    bar = _progress(total, desc, unit="B", disable=False)
+    done = reader.good_bytes
+    bar.update(done)
+    try:
+        for i, rec in enumerate(reader):
+            if i % 256 == 0:
+                bar.update(reader.good_bytes - done)
+                done = reader.good_bytes
+            yield rec
+        bar.update(reader.good_bytes - done)
+    finally:
+        bar.close()
 
 
 # --- replay ------------------------------------------------------------------------------
@@ -239,22 +318,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return _replay_publish(args)
 
 
-def _count_records(path: str) -> int:
-    from kvevents.capture import CaptureReader
-
-    with CaptureReader(path) as reader:
-        return sum(1 for _ in reader)
-
-
 def _replay_into_index(args: argparse.Namespace) -> int:
     from kvevents.consumers import Anomaly, BlockIndex, CaptureSource, ReceivedBatch, Subscriber
 
-    total = _count_records(args.file)
     source = CaptureSource(args.file, name=f"capture:{args.file}")
     sub = Subscriber([source])
     index = BlockIndex(blocks_per_chunk=args.blocks_per_chunk)
     anomalies: list[Any] = []
-    bar = _progress(total, "replaying", disable=args.quiet or args.json)
+    try:
+        total = os.path.getsize(args.file)
+    except OSError:
+        total = 0
+    bar = _progress(total, "replaying", unit="B", disable=args.quiet)
+    done = n = 0
     try:
         while True:
             item = sub.receive(timeout=1.0)
@@ -262,7 +338,10 @@ def _replay_into_index(args: argparse.Namespace) -> int:
                 if source.exhausted:
                     break
                 continue
-            bar.update(1)
+            n += 1
+            if n % 256 == 0:
+                bar.update(source.bytes_read - done)
+                done = source.bytes_read
             if isinstance(item, ReceivedBatch):
                 index.apply(item.source, item.dp_rank, item.batch)
             elif isinstance(item, Anomaly):
@@ -362,14 +441,23 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str, *, disable: bool) -> Any:
-    if disable:
+def _progress(total: int, desc: str, *, unit: str = "batch", disable: bool) -> Any:
+    """A tqdm bar on stderr, or a no-op when disabled or stderr is not a terminal."""
+    if disable or not _is_tty(sys.stderr):
         return _NoBar()
     try:
         from tqdm import tqdm
-    except ImportError:
+    except ImportError:  # a core dependency; a trimmed install just has no bar
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False)
+    return tqdm(
+        total=total or None,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024 if unit == "B" else 1000,
+        file=sys.stderr,
+        leave=False,
+    )
 
 
 def _replay_publish(args: argparse.Namespace) -> int:
@@ -379,13 +467,24 @@ def _replay_publish(args: argparse.Namespace) -> int:
     from kvevents.errors import DecodeError
     from kvevents.publishers import KVEventsConfig, create_publisher
 
-    if args.speed is not None and args.speed <= 0:
-        raise ConfigError("--speed must be > 0")
+    if args.speed is not None and not args.speed > 0:
+        raise ConfigError(f"--speed must be a number > 0, got {args.speed:g}")
+    for flag, value in (("--wait-subscribers", args.wait_subscribers), ("--hold", args.hold)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} must be a number of seconds >= 0, got {value:g}")
     for endpoint in args.publish:
         require_bind(endpoint, "kvevents replay --publish")
     with CaptureReader(args.file) as reader:
-        records = [r for r in reader if args.source is None or r.source == args.source]
+        records = list(reader)
         tail_error = reader.tail_error
+    if args.source is not None:
+        recorded = sorted({r.source for r in records})
+        records = [r for r in records if r.source == args.source]
+        if not records:
+            raise ConfigError(
+                f"--source {args.source}: no such publisher in the capture; recorded: "
+                + (", ".join(recorded) or "none (the capture is empty)")
+            )
     sources: list[str] = []
     for r in records:
         if r.source not in sources:
@@ -408,6 +507,10 @@ def _replay_publish(args: argparse.Namespace) -> int:
     skip_reasons: Counter[str] = Counter()
     first_ts = records[0].recv_ts if records else 0.0
     start = time.monotonic()
+    # The schedule: record i is due at anchor + (recv_ts_i - first_ts) / speed.  The anchor
+    # is set when the first batch goes out, and moves by every --wait-subscribers pause
+    # taken later, so the waits never eat into the recorded gaps.
+    anchor: float | None = None
     try:
         with _stop_on_signals(stop):
             for rec in records:
@@ -447,16 +550,21 @@ def _replay_publish(args: argparse.Namespace) -> int:
                             file=sys.stderr,
                         )
                     if args.wait_subscribers > 0:
+                        waited = time.monotonic()
                         stop.wait(args.wait_subscribers)
+                        if anchor is not None:
+                            anchor += time.monotonic() - waited
+                if anchor is None:
+                    anchor = time.monotonic()
                 if not args.max_rate:
                     due = (rec.recv_ts - first_ts) / (args.speed or 1.0)
-                    delay = due - (time.monotonic() - start)
+                    delay = anchor + due - time.monotonic()
                     if delay > 0 and stop.wait(delay):
                         break
                 pub.publish(batch)
                 sent += 1
                 events += len(batch.events)
-                elapsed = max(time.monotonic() - start, 1e-9)
+                elapsed = max(time.monotonic() - anchor, 1e-9)
                 status.update(
                     f"replaying {args.file}: {sent}/{len(records)} batches, {events} events, "
                     f"{events / elapsed:,.0f} events/s"
@@ -537,12 +645,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             overrides[name] = value
     if args.policy:
         overrides["policies"] = tuple(dict.fromkeys(args.policy))
+    if args.endpoint and args.host is not None:
+        raise ConfigError("give --endpoint (its host included) or --host, not both")
     if args.endpoint:
-        from kvevents.endpoints import require_bind
-
-        overrides["bind"] = require_bind(args.endpoint, "kvevents demo --endpoint")
+        overrides["bind"] = args.endpoint
+    else:
+        host = "127.0.0.1" if args.host is None else args.host.strip() or "*"
+        overrides["bind"] = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
     if args.device:
+        dev = args.device
+        if dev != "cpu" and dev != "cuda" and not (dev[5:].isdigit() and dev[:5] == "cuda:"):
+            raise ConfigError(f"--device wants cpu, cuda or cuda:N, got {dev!r}")
         overrides["device"] = args.device
+        if args.device != "cpu":
+            require_module("torch", "offload", f"--device {args.device}")
+    plot_dir = os.path.dirname(args.plot) if args.plot else ""
+    if plot_dir and not os.path.isdir(plot_dir):  # fail before the run, not after it
+        raise ConfigError(f"--plot {args.plot}: directory {plot_dir} does not exist")
     if args.record:
         overrides["record_path"] = args.record
     engine = _demo_engine(args, base.engine_config())
@@ -573,25 +692,59 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         report = run_demo(config, progress=progress, on_start=on_start)
     finally:
         status.done()
-    why_not = write_plot(report, args.plot) if args.plot else "no --plot file"
+    if importlib.util.find_spec("torch") is None and report.engine.num_cpu_chunks:
+        report.notes.append(
+            "CPU tier without byte copies: torch is not installed (hit rates and events are "
+            "the same; pip install 'kvevents[offload]' to move real bytes)"
+        )
+    # The results come first: a plot that cannot be written loses nothing.
+    why_not: str | None = "no --plot file"
+    plot_error: str | None = None
     if args.json:
+        if args.plot:
+            why_not, plot_error = _write_plot(write_plot, report, args.plot)
         out = report_to_json(report)
         out["plot"] = None if why_not else args.plot
-        print(json.dumps(out))
-        return 0
-    print(format_report(report))
-    if args.plot:
-        print(f"plot skipped: {why_not}" if why_not else f"plot written to {args.plot}")
+        print(json.dumps(out), flush=True)
+    else:
+        print(format_report(report), flush=True)
+        if args.plot:
+            why_not, plot_error = _write_plot(write_plot, report, args.plot)
+            if plot_error is None:
+                print(f"plot skipped: {why_not}" if why_not else f"plot written to {args.plot}")
+    if plot_error is not None:
+        print(f"kvevents: error: {plot_error}", file=sys.stderr)
+        return 2
     return 0
 
 
+def _write_plot(write_plot: Any, report: Any, path: str) -> tuple[str | None, str | None]:
+    """Write the demo's plot: (why it was skipped or None, an error line or None)."""
+    try:
+        return write_plot(report, path), None
+    except Exception as exc:  # unwritable path, a format matplotlib lacks, ...: the
+        # results are already computed (and printed in text mode), so one line suffices
+        return "not written", f"--plot {path}: the plot was not written: {exc}"
+
+
 # --- parser ------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``kvevents inspect: error: ...``) instead of the
+    usage block; ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from kvevents import __version__
+
+    parser = _Parser(
         prog="kvevents",
         description="Record, inspect and replay vLLM KV-cache event streams; run the demo.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvevents {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser(
         "record",
@@ -633,8 +786,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch each publisher's buffered history from seq 0 when first seen",
     )
     stop = p.add_mutually_exclusive_group()
-    stop.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    stop.add_argument("--count", type=int, metavar="N", help="stop after N batches")
+    stop.add_argument(
+        "--duration", type=_positive_seconds, metavar="S", help="stop after S seconds"
+    )
+    stop.add_argument("--count", type=_positive_int, metavar="N", help="stop after N batches")
     p.add_argument("-q", "--quiet", action="store_true", help="no status line")
     p.set_defaults(func=_cmd_record)
 
@@ -646,9 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--type", help="only this event type (BlockStored, BlockRemoved, AllBlocksCleared)"
     )
     p.add_argument("--medium", help="only this medium (GPU, CPU, STORAGE)")
-    p.add_argument("--group", type=int, help="only this KV-cache group")
+    p.add_argument("--group", type=_group_index, help="only this KV-cache group (0, 1, ...)")
     p.add_argument("--worker", help="only this source, or source#rank")
-    p.add_argument("--limit", type=int, help="stop after this many events")
+    p.add_argument("--limit", type=_positive_int, metavar="N", help="stop after N events (N >= 1)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
@@ -687,14 +842,15 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
     pace.add_argument("--max-rate", action="store_true", help="as fast as possible")
     p.add_argument(
-        "--buffer-steps", type=int, default=10_000, help="replay buffer length (batches)"
+        "--buffer-steps", type=_positive_int, default=10_000, help="replay buffer length (batches)"
     )
     p.add_argument(
         "--wait-subscribers",
         type=float,
         default=0.5,
         metavar="S",
-        help="pause S seconds after binding each publisher so subscribers can connect",
+        help="pause S seconds after binding each publisher so subscribers can connect (not "
+        "part of the pace: the first batch goes out after it)",
     )
     p.add_argument(
         "--hold",
@@ -715,9 +871,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tier and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
-    p.add_argument("--engines", type=int, help="number of engines")
-    p.add_argument("--dp-ranks", type=int, help="data-parallel ranks per engine")
-    p.add_argument("--requests", type=int, help="requests in the workload")
+    p.add_argument("--engines", type=_positive_int, help="number of engines")
+    p.add_argument("--dp-ranks", type=_positive_int, help="data-parallel ranks per engine")
+    p.add_argument("--requests", type=_positive_int, help="requests in the workload")
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument(
         "--policy",
@@ -729,8 +885,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--endpoint",
         metavar="ENDPOINT",
-        help="PUB endpoint of engine 0, e.g. tcp://*:5557 (engine i, rank r: port + i*ranks "
-        "+ r; replay: port + 100 + ...); default: ephemeral ports",
+        help="PUB endpoint of engine 0, e.g. tcp://127.0.0.1:5557 (engine i, rank r: port + "
+        "i*ranks + r; replay: port + 100 + ...); default: ephemeral ports on --host",
+    )
+    p.add_argument(
+        "--host",
+        metavar="HOST",
+        help="address the engines bind (ephemeral ports): default 127.0.0.1 (loopback "
+        "only); 0.0.0.0 or '*' for all interfaces",
     )
     p.add_argument(
         "--device",
@@ -771,11 +933,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _NotAnAnomaly(logging.Filter):
+    """Drops the subscriber's own warnings: each is an ``Anomaly`` that the commands print
+    (or count) themselves, so logging it too would show every anomaly twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("kvevents.consumers.subscriber")
+
+
+@contextmanager
+def _cli_logging() -> Iterator[None]:
+    """kvevents' warnings as ``kvevents: warning: ...`` lines on stderr, anomalies once."""
+    log = logging.getLogger("kvevents")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("kvevents: warning: %(message)s"))
+    handler.addFilter(_NotAnAnomaly())
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvevents`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with _cli_logging():
+            return int(args.func(args))
     except KVEventsError as exc:
         print(f"kvevents: error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ __all__ = [
     "EncodeError",
     "FrameError",
     "KVEventsError",
+    "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
 ]
@@ -54,3 +55,26 @@ class OffloadError(KVEventsError):
 
 class EncodeError(KVEventsError, TypeError):
     """An object cannot be encoded as a KV event batch."""
+
+
+class MissingDependencyError(KVEventsError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install
+    (for example ``pip install 'kvevents[offload]'`` for torch)."""
+
+
+def require_module(module: str, extra: str, what: str) -> None:
+    """Raise :class:`MissingDependencyError` if ``module`` cannot be imported.
+
+    ``what`` says what needs it ("the byte transfers"); ``extra`` is the
+    ``kvevents[extra]`` that installs it.
+    """
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a stub module
+        found = False
+    if not found:
+        raise MissingDependencyError(
+            f"{what} needs {module}, which is not installed: pip install 'kvevents[{extra}]'"
+        )

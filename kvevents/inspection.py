@@ -14,10 +14,9 @@ from typing import Any
 
 from kvevents.capture import CaptureRecord
 from kvevents.codec import BatchDecoder, describe_payload
-from kvevents.errors import DecodeError
+from kvevents.errors import ConfigError, DecodeError
 from kvevents.events import (
     MEDIUM_GPU,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
@@ -25,7 +24,9 @@ from kvevents.events import (
 )
 
 __all__ = [
+    "EVENT_TYPES",
     "CaptureSummary",
+    "CaptureValues",
     "DecodedEvent",
     "EventFilter",
     "dumps_event",
@@ -51,6 +52,10 @@ class DecodedEvent:
         return f"{self.record.source}#{rank}"
 
 
+EVENT_TYPES: tuple[str, ...] = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+"""The event types a filter can name."""
+
+
 @dataclass(frozen=True)
 class EventFilter:
     """Which events to keep; ``None`` keeps all.  Matching is exact (case-insensitive
@@ -60,6 +65,22 @@ class EventFilter:
     medium: str | None = None
     group: int | None = None
     worker: str | None = None
+
+    def __post_init__(self) -> None:
+        """Reject values no capture can hold (:class:`ConfigError` naming the valid ones)."""
+        if self.type is not None and self.type.lower() not in {t.lower() for t in EVENT_TYPES}:
+            raise ConfigError(f"unknown --type {self.type!r}; valid: {', '.join(EVENT_TYPES)}")
+        if self.medium is not None and not self.medium.strip():
+            raise ConfigError("--medium needs a medium such as GPU, CPU or STORAGE")
+        if self.group is not None and self.group < 0:
+            raise ConfigError(f"--group must be a group index >= 0, got {self.group}")
+        if self.worker is not None and not self.worker.strip():
+            raise ConfigError("--worker needs a source or source#rank")
+
+    @property
+    def active(self) -> bool:
+        """Whether any field filters."""
+        return any(v is not None for v in (self.type, self.medium, self.group, self.worker))
 
     def matches(self, ev: DecodedEvent) -> bool:
         e = ev.event
@@ -71,6 +92,62 @@ class EventFilter:
         if self.group is not None and getattr(e, "group_idx", None) != self.group:
             return False
         return not (self.worker is not None and self.worker not in (ev.record.source, ev.worker))
+
+
+def _listing(values: Iterable[str], limit: int = 12) -> str:
+    items = sorted(values)
+    if not items:
+        return "none (the capture has no events)"
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+@dataclass
+class CaptureValues:
+    """The values a capture's events hold for each filter field, gathered while reading
+    (before filtering), to tell a filter that matches nothing from a mistyped one."""
+
+    types: set[str] = field(default_factory=set)
+    media: set[str] = field(default_factory=set)
+    groups: set[int] = field(default_factory=set)
+    workers: set[str] = field(default_factory=set)
+    sources: set[str] = field(default_factory=set)
+
+    def observe(self, ev: DecodedEvent) -> None:
+        e = ev.event
+        self.types.add(type(e).__name__)
+        medium = _medium(e)
+        if medium is not None:
+            self.media.add(medium.upper())
+        group = getattr(e, "group_idx", None)
+        if group is not None:
+            self.groups.add(group)
+        self.sources.add(ev.record.source)
+        self.workers.add(ev.worker)
+
+    def check(self, flt: EventFilter) -> None:
+        """Raise :class:`ConfigError` for the first filter value the capture does not
+        hold, naming the values it does hold."""
+        if flt.type is not None and flt.type.lower() not in {t.lower() for t in self.types}:
+            raise ConfigError(
+                f"--type {flt.type}: the capture holds no such event; types in it: "
+                + _listing(self.types)
+            )
+        if flt.medium is not None and flt.medium.upper() not in self.media:
+            raise ConfigError(
+                f"--medium {flt.medium}: no event of the capture has it; media in it: "
+                + _listing(self.media)
+            )
+        if flt.group is not None and flt.group not in self.groups:
+            raise ConfigError(
+                f"--group {flt.group}: the capture has no such KV-cache group; groups in it: "
+                + _listing(str(g) for g in self.groups)
+            )
+        if flt.worker is not None and flt.worker not in self.sources | self.workers:
+            raise ConfigError(
+                f"--worker {flt.worker}: no such worker in the capture; workers in it "
+                "(source#rank, or the source alone): " + _listing(self.workers)
+            )
 
 
 def _medium(e: KVEvent) -> str | None:
@@ -233,9 +310,17 @@ class CaptureSummary:
 
 
 def summarize(
-    records: Iterable[CaptureRecord], event_filter: EventFilter | None = None
+    records: Iterable[CaptureRecord],
+    event_filter: EventFilter | None = None,
+    values: CaptureValues | None = None,
 ) -> CaptureSummary:
-    """Count events, seq anomalies and placeholder joins over ``records``."""
+    """Count events, seq anomalies and placeholder joins over ``records``.
+
+    With ``event_filter`` only the matching events are counted; a placeholder counts as
+    joined when a GPU store of its (worker, group, hash) came earlier in the capture,
+    whether or not that store matches the filter.  ``values``, when given, observes every
+    event before filtering.
+    """
     s = CaptureSummary()
     dec = BatchDecoder()
     last_seq: dict[tuple[str, int], int] = {}
@@ -277,6 +362,12 @@ def summarize(
                 last_seq[key] = rec.seq
         for i, e in enumerate(batch.events):
             ev = DecodedEvent(rec, batch, i, e)
+            if values is not None:
+                values.observe(ev)
+            is_gpu_store = False
+            if isinstance(e, BlockStored) and (e.medium or MEDIUM_GPU) == MEDIUM_GPU:
+                is_gpu_store = True  # joins see every GPU store, filtered or not
+                gpu_keys.update((worker, e.group_idx, h) for h in e.block_hashes)
             if event_filter is not None and not event_filter.matches(ev):
                 continue
             s.events += 1
@@ -286,15 +377,15 @@ def summarize(
                 medium = _medium(e) or MEDIUM_GPU
                 s.by_medium[medium] += 1
                 s.by_group[str(e.group_idx)] += 1
-            if isinstance(e, BlockStored):
-                if (e.medium or MEDIUM_GPU) == MEDIUM_GPU:
-                    gpu_keys.update((worker, e.group_idx, h) for h in e.block_hashes)
-                elif e.block_size == 0 and not e.token_ids:
-                    s.placeholders += 1
-                    if all((worker, e.group_idx, h) in gpu_keys for h in e.block_hashes):
-                        s.placeholders_joined += 1
-            elif isinstance(e, AllBlocksCleared):
-                pass
+            if (
+                isinstance(e, BlockStored)
+                and not is_gpu_store
+                and e.block_size == 0
+                and not e.token_ids
+            ):
+                s.placeholders += 1
+                if all((worker, e.group_idx, h) in gpu_keys for h in e.block_hashes):
+                    s.placeholders_joined += 1
     s.unknown_tags = dec.stats.unknown_tags
     return s
 

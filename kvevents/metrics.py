@@ -11,8 +11,9 @@ about Prometheus:
 * a ``Counter[str]`` field becomes the same, with one sample per key under the label
   ``reason``.
 
-``prometheus-client`` is optional (the ``metrics`` extra); :func:`stats_snapshot` works
-without it.
+``prometheus-client`` is installed with kvevents; without it (a trimmed install) the
+collector raises :class:`~kvevents.errors.MissingDependencyError` naming the extra, and
+:func:`stats_snapshot` still works.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from kvevents.errors import require_module
 
 __all__ = ["StatsCollector", "start_metrics_server", "stats_snapshot"]
 
@@ -57,6 +60,7 @@ class StatsCollector:
         self._components.append((subsystem, dict(labels), component))
 
     def collect(self) -> Iterator[Any]:
+        require_module("prometheus_client", "metrics", "kvevents.metrics.StatsCollector")
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         families: dict[str, Any] = {}
@@ -88,7 +92,11 @@ class StatsCollector:
 
 
 def start_metrics_server(port: int, collector: StatsCollector, addr: str = "127.0.0.1") -> None:
-    """Serve ``collector`` on ``http://addr:port/metrics`` from a daemon thread."""
+    """Serve ``collector`` on ``http://addr:port/metrics`` from a daemon thread.
+
+    Raises :class:`~kvevents.errors.MissingDependencyError` without ``prometheus-client``.
+    """
+    require_module("prometheus_client", "metrics", "kvevents.metrics.start_metrics_server")
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()

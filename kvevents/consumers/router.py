@@ -13,7 +13,9 @@ would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
   ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
   less with windowed groups), tightened group by group (full attention first) to the end
   of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
-  than one of the current group's chunks remains beyond ``gpu``;
+  than one of the current group's chunks remains beyond ``gpu``; when a group lowers
+  the bound after a windowed group, the windowed groups are checked again at the lower
+  bound, until it is stable;
 * ``storage``: likewise after ``gpu + cpu``.
 
 A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
@@ -430,37 +432,53 @@ class _Lookup:
 
     def chunk_hit(self, plan: _Plan, base: int, tier: int) -> int:
         """Tokens ``tier`` adds after ``base``: a running bound tightened group by group
-        in the offload lookup order; nothing as soon as less than one chunk remains."""
+        in the offload lookup order; nothing as soon as less than one chunk remains.
+        When a group lowers the bound after a windowed group of the same pass, the
+        windowed groups are checked again at the lower bound, until it is stable."""
         n = self.n
         bound = n - 1 if plan.windowed else n
         hashed = n - plan.lookahead
         eagle = plan.eagle
-        for cls, size, wchunks, bit in plan.chunk_groups:
-            tpc = plan.bpc * size
-            nkeys = hashed // tpc if hashed > 0 else 0
-            bound = min(bound, nkeys * tpc)
-            if bound - base < tpc:
-                return 0
-            query = bound
-            if eagle and cls != "full":
-                # an EAGLE window group looks one chunk further, then drops it
-                query = min(bound + tpc, nkeys * tpc)
-                wchunks += 1
-            nb = min(-(-query // tpc), nkeys)
-            start = base // tpc
-            if cls == "full":
-                hits = self.run(tier, bit, size, start, nb, tpc)
-            else:
-                end = self.last_run(tier, bit, size, start, nb, wchunks, tpc, tpc)
-                hits = end - start if end >= 0 else self.tail
-            if hits <= 0:
-                return 0
-            if eagle:
-                hits -= 1  # EAGLE drops the last hit chunk
-            bound = min(bound, tpc * (start + hits))
-            if bound - base < tpc:
-                return 0
-        return bound - base
+        groups = plan.chunk_groups
+        hit = 0
+        while groups:
+            todo, groups = groups, ()
+            windowed = False  # a windowed group was looked up in this pass
+            for cls, size, wchunks, bit in todo:
+                tpc = plan.bpc * size
+                nkeys = hashed // tpc if hashed > 0 else 0
+                bound = min(bound, nkeys * tpc)
+                if bound - base < tpc:
+                    return 0
+                query = bound
+                if eagle and cls != "full":
+                    # an EAGLE window group looks one chunk further, then drops it
+                    query = min(bound + tpc, nkeys * tpc)
+                    wchunks += 1
+                nb = min(-(-query // tpc), nkeys)
+                start = base // tpc
+                if cls == "full":
+                    hits = self.run(tier, bit, size, start, nb, tpc)
+                else:
+                    end = self.last_run(tier, bit, size, start, nb, wchunks, tpc, tpc)
+                    hits = end - start if end >= 0 else self.tail
+                if hits <= 0:
+                    return 0
+                if eagle:
+                    hits -= 1  # EAGLE drops the last hit chunk
+                bound = min(bound, tpc * (start + hits))
+                new = bound - base
+                if new < tpc:
+                    return 0
+                if new < hit and windowed and not groups:
+                    # a window found earlier may stick out past the new bound
+                    groups = tuple(g for g in plan.chunk_groups if g[0] != "full")
+                windowed = windowed or cls != "full"
+                hit = new
+            # every group is an EAGLE group and each dropped its chunk once: the
+            # checks again neither look further nor drop
+            eagle = False
+        return hit
 
 
 def _simple_matches(

@@ -311,6 +311,12 @@ class CaptureSource:
         """Why reading stopped early (truncated/corrupt tail), or None."""
         return self._reader.tail_error
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of the file read so far (header and good records): progress over the
+        file's size."""
+        return self._reader.good_bytes
+
     def sockets(self) -> Sequence[Any]:
         return []
 

@@ -258,6 +258,8 @@ class ZmqEventPublisher:
     * ``idle_poll_s``: how long the idle sender waits for a batch before checking the
       replay socket (seconds); bounds the latency of a replay when nothing is published.
     * ``warn_interval_s``: minimum seconds between two warnings of the same kind.
+    * ``bind``: bind (True) or connect (False) the PUB socket; default ``None`` follows
+      vLLM's rule (:func:`is_bind_endpoint`), under which ``tcp://127.0.0.1:P`` connects.
 
     Raises :class:`~kvevents.errors.ConfigError` for invalid values, unreadable CURVE
     keys, or a socket that cannot be bound or connected.
@@ -294,6 +296,7 @@ class ZmqEventPublisher:
         max_subscription_bytes: int = 4096,
         idle_poll_s: float = 0.01,
         warn_interval_s: float = 10.0,
+        bind: bool | None = None,
     ) -> None:
         # Reuse the config's validation so both paths give the same messages.
         from kvevents.publishers.config import KVEventsConfig
@@ -416,7 +419,7 @@ class ZmqEventPublisher:
             self._ctx = zmq.Context(io_threads=1)
         else:
             self._ctx = zmq.Context.instance()
-        self.binds = is_bind_endpoint(self.requested_endpoint)
+        self.binds = is_bind_endpoint(self.requested_endpoint) if bind is None else bind
         self._releases: list[Callable[[], None]] = []
         self._router: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None

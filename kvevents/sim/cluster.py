@@ -52,8 +52,9 @@ def engine_endpoint(bind: str, offset: int) -> str:
 class ClusterConfig:
     """``num_engines`` engines of ``dp_ranks`` ranks each, all shaped by ``engine``.
 
-    ``bind`` is the PUB endpoint asked of each engine.  With ``tcp://*:0`` (default)
-    every publisher gets an ephemeral port, so several clusters can run at once.  With a
+    ``bind`` is the PUB endpoint asked of each engine.  With ``tcp://127.0.0.1:0``
+    (default: loopback only) every publisher gets an ephemeral port, so several clusters
+    can run at once.  With a
     fixed ``tcp://HOST:P``, engine *i* rank *r* publishes on port ``P + i·dp_ranks + r``
     and, with ``replay``, serves replay on ``P + 100 + i·dp_ranks + r`` (vLLM's DP offset
     rule applied to a base of ``P + i·dp_ranks``; C§2.4).  ``replay`` adds a replay
@@ -63,7 +64,7 @@ class ClusterConfig:
     num_engines: int = 4
     dp_ranks: int = 1
     engine: SimEngineConfig = field(default_factory=SimEngineConfig)
-    bind: str = "tcp://*:0"
+    bind: str = "tcp://127.0.0.1:0"
     replay: bool = True
     buffer_steps: int = 10_000
     topic: str = ""
@@ -118,6 +119,7 @@ class SimCluster:
                         replay_endpoint=replay_base if cfg.replay else None,
                         buffer_steps=cfg.buffer_steps,
                         topic=cfg.topic,
+                        bind=True,  # an engine binds, on loopback too (no proxy here)
                     )
                     engine = SimEngine(
                         cfg.engine, _PublishingSink(pub), name=f"engine{i}/dp{rank}", dp_rank=rank

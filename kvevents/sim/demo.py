@@ -97,7 +97,7 @@ class DemoConfig:
     policies: tuple[str, ...] = POLICIES
     engine: SimEngineConfig | None = None
     catch_up_timeout_s: float = 20.0
-    bind: str = "tcp://*:0"
+    bind: str = "tcp://127.0.0.1:0"
     hold_s: float = 0.0
     device: str = "cpu"
     record_path: str | None = None

@@ -43,8 +43,8 @@ def test_filters(capsys: pytest.CaptureFixture[str]) -> None:
     main(["inspect", str(SAMPLE), "--json", "--medium", "cpu"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["medium"] for r in rows} == {"CPU"} and len(rows) == 2
-    main(["inspect", str(SAMPLE), "--json", "--type", "BlockStored", "--worker", "nowhere"])
-    assert capsys.readouterr().out == ""
+    rc = main(["inspect", str(SAMPLE), "--json", "--type", "BlockStored", "--worker", "nowhere"])
+    assert rc == 2 and capsys.readouterr().out == ""  # an unknown worker is an error
 
 
 def test_summary_counts_gaps_and_joins(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,10 @@ included).  It follows vLLM's functions step by step:
   ``SlidingWindowManager`` and ``ChunkedLocalAttentionManager.find_longest_cache_hit``;
 * CPU and STORAGE: the offload connector's ``_lookup_complete_chunks`` (a running bound
   from the request length, one less with windowed groups; full-attention groups first;
-  nothing once less than one of the current group's chunks remains; no lcm rounding).
+  nothing once less than one of the current group's chunks remains; no lcm rounding;
+  passes over the windowed groups again while a group lowers the bound after a windowed
+  group of the same pass; in EAGLE mode every group is an EAGLE group, so only the first
+  pass looks one chunk further and drops a chunk).
 """
 
 from __future__ import annotations
@@ -153,48 +156,65 @@ def expected_match(
         bound = n - 1 if windowed else n
         order = [gi for gi, g in enumerate(groups) if g.cls == "full"]
         order += [gi for gi, g in enumerate(groups) if g.cls != "full"]
-        for gi in order:
-            grp = groups[gi]
-            tpc = bpc * grp.size
-            num_keys = max(0, n - lookahead) // tpc
-            bound = min(bound, num_keys * tpc)
-            if bound - base < tpc:
-                return 0
-            query = bound
-            need = _cdiv(grp.window, tpc) if grp.window else 0
-            if eagle and grp.cls != "full":
-                query = min(bound + tpc, num_keys * tpc)
-                need += 1
-            stop = min(_cdiv(query, tpc), num_keys)
-            first = base // tpc
-            chunks = list(range(first, stop))
-            if grp.cls == "full":
-                hits = len(chunks)
-                for j, c in enumerate(chunks):
-                    if not has([gi], tier, (c + 1) * tpc):
-                        hits = j
-                        break
-            else:
-                run = 0
-                hits = None
-                for j in reversed(range(len(chunks))):
-                    if has([gi], tier, (chunks[j] + 1) * tpc):
-                        run += 1
-                        if run == need:
-                            hits = j + need
+        windows = [gi for gi in order if groups[gi].cls != "full"]
+        hit = 0
+        # _lookup_complete_chunks' eagle_verified: each group drops its trailing chunk
+        # once; it is cleared only when a non-EAGLE group lowers the bound, and in EAGLE
+        # mode (nothing annotated) every group is an EAGLE group
+        verified: set[int] = set()
+        passes = order
+        while passes:
+            todo, passes = passes, []
+            looked_window = False
+            for gi in todo:
+                grp = groups[gi]
+                tpc = bpc * grp.size
+                num_keys = max(0, n - lookahead) // tpc
+                bound = min(bound, num_keys * tpc)
+                if bound - base < tpc:
+                    return 0
+                unverified = eagle and gi not in verified
+                query = bound
+                need = _cdiv(grp.window, tpc) if grp.window else 0
+                if unverified and grp.cls != "full":
+                    query = min(bound + tpc, num_keys * tpc)
+                    need += 1
+                stop = min(_cdiv(query, tpc), num_keys)
+                first = base // tpc
+                chunks = list(range(first, stop))
+                if grp.cls == "full":  # _maximal_prefix_lookup
+                    hits = len(chunks)
+                    for j, c in enumerate(chunks):
+                        if not has([gi], tier, (c + 1) * tpc):
+                            hits = j
                             break
-                    else:
-                        run = 0
-                if hits is None:
-                    hits = run
-            if hits == 0:
-                return 0
-            if eagle:
-                hits -= 1
-            bound = min(bound, tpc * (first + hits))
-            if bound - base < tpc:
-                return 0
-        return bound - base
+                else:  # _sliding_window_lookup
+                    run = 0
+                    hits = None
+                    for j in reversed(range(len(chunks))):
+                        if has([gi], tier, (chunks[j] + 1) * tpc):
+                            run += 1
+                            if run == need:
+                                hits = j + need
+                                break
+                        else:
+                            run = 0
+                    if hits is None:
+                        hits = run
+                if hits == 0:
+                    return 0
+                if unverified:
+                    hits -= 1
+                    verified.add(gi)
+                bound = min(bound, tpc * (first + hits))
+                new = bound - base
+                if new < tpc:
+                    return 0
+                if new < hit and looked_window and not passes:
+                    passes = list(windows)
+                looked_window |= grp.cls != "full"
+                hit = new
+        return hit
 
     cpu = offloaded(gpu, "CPU")
     storage = offloaded(gpu + cpu, "STORAGE")

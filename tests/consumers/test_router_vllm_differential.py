@@ -2,10 +2,11 @@
 
 Workers of every group layout the router models (one group of 16 or 32 tokens; two
 full-attention groups of 16 and 32; full attention with a sliding-window group; full
-attention with a chunked-local group; a sliding-window model alone), each optionally in
-EAGLE drop mode or with lookahead hashing, store requests of several kinds (plain, LoRA,
-salted, with an image, with an image on a block boundary), lose random GPU blocks and
-offload random chunks.  Every answer of ``find_matches``, for every prompt and request
+attention with a chunked-local group; a sliding-window model alone; full attention with
+two windowed groups), each optionally in EAGLE drop mode or with lookahead hashing, store
+requests of several kinds (plain, LoRA, salted, with an image, with an image on a block
+boundary), lose random GPU blocks and offload random chunks (or a random subset of every
+group's chunks).  Every answer of ``find_matches``, for every prompt and request
 kind, must equal the model of tests/consumers/_vllm_model.py, which knows only token
 prefixes and the request kind each block was stored under.
 """
@@ -42,6 +43,11 @@ LAYOUTS: dict[str, list[Group]] = {
     "f16+sw32": [Group(16), Group(32, "sw", 64)],
     "f16+local": [Group(16), Group(16, "local", 32)],
     "sw16": [Group(16, "sw", 48)],
+    # two windowed groups: the offload lookup checks the first again when the second
+    # lowers the bound
+    "f16+sw16+sw16": [Group(16), Group(16, "sw", 32), Group(16, "sw", 64)],
+    "f16+sw32+sw16": [Group(16), Group(32, "sw", 64), Group(16, "sw", 48)],
+    "f16+local+sw16": [Group(16), Group(16, "local", 32), Group(16, "sw", 48)],
 }
 KINDS = {"full": "full_attention", "sw": "sliding_window", "local": "chunked_local_attention"}
 VARIANTS = ["plain", "lora", "salt", "mm", "mm16"]
@@ -101,16 +107,19 @@ class Spec:
     chunks: list[tuple[int, int, int, str]]
     """(store, group, chunk, tier) offloads."""
     offload_all: str | None
-    """Offload every whole chunk of every store and group to this tier, then ..."""
+    """Offload every whole chunk of every store and group to this tier (only the chunks
+    in the group's ``masks`` bits), then ..."""
     keep_gpu: int
     """... remove every GPU block ending past this many tokens."""
+    masks: tuple[int, ...] = ()
+    """Per group, the chunks ``offload_all`` offloads (bit ``c``: chunk ``c``)."""
 
 
 @st.composite
 def specs(draw: st.DrawFn) -> Spec:
     layout = draw(st.sampled_from(sorted(LAYOUTS)))
     mode = draw(st.sampled_from(["none", "none", "eagle", "lookahead"]))
-    if layout == "f16+local" and mode == "eagle":
+    if "local" in layout and mode == "eagle":
         mode = "none"  # vLLM does not run EAGLE with chunked local attention
     stores = draw(
         st.lists(
@@ -148,6 +157,7 @@ def specs(draw: st.DrawFn) -> Spec:
         chunks,
         draw(st.sampled_from([None, "CPU", "STORAGE"])),
         draw(st.sampled_from([0, 16, 32, 48, 64, 128])),
+        tuple(draw(st.one_of(st.just(255), st.integers(0, 255))) for _ in range(ng)),
     )
 
 
@@ -207,7 +217,8 @@ def build(specs: list[Spec]) -> tuple[BlockIndex, dict[int, dict[tuple[int, str]
         if spec.offload_all:
             for si in range(len(spec.stores)):
                 for g in range(len(groups)):
-                    offloads += [(si, g, c, spec.offload_all) for c in range(8)]
+                    mask = spec.masks[g] if spec.masks else 255
+                    offloads += [(si, g, c, spec.offload_all) for c in range(8) if mask >> c & 1]
                     removals += [
                         (si, g, b)
                         for b in range(len(hashes[si][g]))

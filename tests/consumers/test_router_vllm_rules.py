@@ -408,3 +408,65 @@ def test_a_request_key_and_keyword_arguments_do_not_mix() -> None:
     feed(index, stored(RequestKey(toks(80)), 16))
     assert Router(index).find_matches(RequestKey(toks(65))) == {W: Match(64, 0, 0)}
     assert Router(index).score(RequestKey(toks(65)))[0].match == Match(64, 0, 0)
+
+
+def test_cpu_lookup_checks_an_earlier_window_again_at_a_lower_bound() -> None:
+    # full attention + windows of 32 and 64 tokens (1 and 2 of the 32-token chunks).
+    # _lookup_complete_chunks runs until the bound is stable: when a windowed group lowers
+    # it after another windowed group, the windowed groups are checked again
+    key = RequestKey(toks(128))
+    hs = group_hashes(key, 16)
+    index = BlockIndex(blocks_per_chunk=2)
+    router = Router(index)
+    feed(
+        index,
+        stored(key, 16, group=0),
+        stored(key, 16, group=1, kind="sliding_window", window=32),
+        stored(key, 16, group=2, kind="sliding_window", window=64),
+    )
+    feed(index, *[BlockRemoved([h], "GPU", group_idx=g) for g in (0, 1, 2) for h in hs])
+    feed(
+        index,
+        *[placeholder(hs[2 * c + 1], 0) for c in range(4)],  # full: every chunk
+        *[placeholder(hs[2 * c + 1], 1) for c in (0, 3)],  # window 32: chunks 0 and 3
+        *[placeholder(hs[2 * c + 1], 2) for c in (0, 1)],  # window 64: chunks 0 and 1
+    )
+    # first pass: bound 127; full keeps 127; window 32 finds chunk 3 (ends at 128): 127;
+    # window 64 needs two chunks: 0-1, bound 64.  Second pass, windowed groups at 64:
+    # window 32 scans chunks 1, 0 -> chunk 0, bound 32; window 64 at 32 has chunk 0 only,
+    # a run reaching the first chunk counts: 32.  Third pass is not needed (the last
+    # lowering came from the first windowed group of the pass).  One pass would say 64.
+    assert router.find_matches(toks(128)) == {W: Match(0, 32, 0)}
+    # without window 32's chunk 0 the second pass finds nothing: nothing is loaded
+    feed(index, BlockRemoved([hs[1]], "CPU", group_idx=1))
+    assert router.find_matches(toks(128)) == {}
+
+
+def test_eagle_window_groups_drop_a_chunk_only_in_the_first_pass() -> None:
+    # EAGLE drop mode, nothing annotated: every group is an EAGLE group, and
+    # _lookup_complete_chunks lets each drop its trailing chunk once (eagle_verified is
+    # cleared only when a non-EAGLE group lowers the bound): the windowed groups checked
+    # again neither look one chunk further nor drop one
+    key = RequestKey(toks(256))
+    hs = group_hashes(key, 16)
+    index = BlockIndex(blocks_per_chunk=2, eagle_drop=True)
+    router = Router(index)
+    feed(
+        index,
+        stored(key, 16, group=0),
+        stored(key, 16, group=1, kind="sliding_window", window=32),
+        stored(key, 16, group=2, kind="sliding_window", window=64),
+    )
+    feed(index, *[BlockRemoved([h], "GPU", group_idx=g) for g in (0, 1, 2) for h in hs])
+    feed(
+        index,
+        *[placeholder(hs[2 * c + 1], 0) for c in range(8)],  # full: every chunk
+        *[placeholder(hs[2 * c + 1], 1) for c in (0, 5, 6)],  # window 32 (1 chunk)
+        *[placeholder(hs[2 * c + 1], 2) for c in (0, 1, 2)],  # window 64 (2 chunks)
+    )
+    # first pass, bound 255: full holds chunks 0-7, drops one: 224.  Window 32 looks to
+    # 256 for 1 + 1 chunks: 5-6, drops one: 192.  Window 64 looks to 224 for 2 + 1: 0-2,
+    # drops one: 64.  Second pass at 64, plain: window 32 scans chunks 1, 0 -> chunk 0:
+    # 32; window 64 at 32: chunk 0, a run reaching the first chunk: 32.  (One pass would
+    # say 64; dropping again in the second pass would leave window 32 nothing: 0.)
+    assert router.find_matches(toks(256)) == {W: Match(0, 32, 0)}

@@ -37,9 +37,17 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from kvevents.errors import OffloadError
+from kvevents.errors import MissingDependencyError, OffloadError
+
+try:
+    import torch
+except ImportError as _exc:
+    raise MissingDependencyError(
+        "kvevents.publishers.offload.transfer (the block copies) needs torch, which is not "
+        "installed: pip install 'kvevents[offload]'"
+    ) from _exc
+
 from kvevents.publishers.offload.base import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,

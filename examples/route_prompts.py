@@ -1,0 +1,126 @@
+"""Route prompts to the engine that already holds the longest prefix of their tokens.
+
+A KV-aware router in one file: a ``Subscriber`` follows the engines, a ``BlockIndex``
+holds what each one caches (GPU blocks, and CPU chunks joined to their GPU metadata),
+and a ``Router`` answers, for each prompt, which engine would reuse the most of it and
+how many tokens from each tier, counted the way vLLM's engine reuses them (whole GPU
+blocks first, then whole CPU chunks after the GPU hit).
+
+The loop is single-threaded: catch up with every event received so far, then answer.
+With two engines of ``examples/publish_engine.py`` serving different tenants::
+
+    python examples/publish_engine.py --tenants 0 --requests 0 &
+    python examples/publish_engine.py --tenants 1,2 --requests 0 \\
+        --endpoint tcp://127.0.0.1:5567 --replay-endpoint tcp://127.0.0.1:5568 &
+    python examples/route_prompts.py tcp://127.0.0.1:5557 tcp://127.0.0.1:5567 \\
+        --replay-endpoint tcp://127.0.0.1:5558 --replay-endpoint tcp://127.0.0.1:5568
+
+each tenant's prompts go to the engine that serves that tenant.  Prompts come from
+``--prompts FILE`` (one JSON list of token ids per line) or, by default, one prompt per
+tenant of ``publish_engine.py``: its system prompt plus a new question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Router, Subscriber
+
+
+def catch_up(sub: Subscriber, index: BlockIndex, timeout: float = 0.0) -> int:
+    """Apply every item the subscriber has ready (waiting up to ``timeout`` for the
+    first); returns the batches applied."""
+    applied = 0
+    item = sub.receive(timeout=timeout)
+    while item is not None:
+        if isinstance(item, ReceivedBatch):
+            index.apply(item.source, item.dp_rank, item.batch)
+            applied += 1
+        elif isinstance(item, Anomaly) and item.needs_reset and item.dp_rank is not None:
+            index.reset_worker((item.source, item.dp_rank))  # rebuilt from the next events
+        item = sub.receive(timeout=0)
+    return applied
+
+
+def sample_prompts() -> list[list[int]]:
+    """One prompt per tenant of publish_engine.py: its system prompt and a new question."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from publish_engine import system_prompts
+
+    rng = random.Random(99)
+    return [p + [rng.randrange(32000, 33000) for _ in range(40)] for p in system_prompts()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
+    p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
+    p.add_argument("--prompts", help="JSON lines, each a list of token ids")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.5,
+        help="route once every engine was heard from and nothing new came for S seconds",
+    )
+    p.add_argument("--timeout", type=float, default=30.0, help="give up waiting after S s")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    args = p.parse_args()
+
+    if args.prompts:
+        lines = Path(args.prompts).read_text().splitlines()
+        prompts = [json.loads(line) for line in lines if line.strip()]
+    else:
+        prompts = sample_prompts()
+
+    index = BlockIndex()
+    router = Router(index)
+    with Subscriber(
+        args.endpoints, replay_endpoints=args.replay_endpoint, replay_from_start=True
+    ) as sub:
+        print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
+        # Wait until every engine has been heard from and the stream has settled.
+        deadline = time.monotonic() + args.timeout
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            if catch_up(sub, index, timeout=0.05):
+                quiet_since = time.monotonic()
+            heard = len(index.workers()) >= len(args.endpoints)
+            if heard and time.monotonic() - quiet_since >= args.settle:
+                break
+        else:
+            sys.exit(f"heard from {len(index.workers())} of {len(args.endpoints)} engines")
+
+        for i, tokens in enumerate(prompts):
+            catch_up(sub, index)  # the freshest view before each answer
+            best = router.score(tokens)[0]  # cheapest first: most reuse, then least load
+            m = best.match
+            source, rank = best.worker
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "prompt": i,
+                            "tokens": len(tokens),
+                            "worker": f"{source}#{rank}",
+                            "gpu": m.gpu,
+                            "cpu": m.cpu,
+                            "storage": m.storage,
+                        }
+                    ),
+                    flush=True,
+                )
+            else:
+                print(
+                    f"prompt {i} ({len(tokens)} tokens) -> {source}#{rank}: reuses {m.gpu} "
+                    f"GPU + {m.cpu} CPU tokens ({m.total / len(tokens):.0%})",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
