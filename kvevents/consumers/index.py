@@ -767,6 +767,10 @@ class BlockIndex:
         """Every worker the index has seen (and not removed), sorted."""
         return sorted(self._workers)
 
+    def num_workers(self) -> int:
+        """How many workers :meth:`workers` would list."""
+        return len(self._workers)
+
     def reset_worker(self, worker: WorkerId) -> None:
         """Forget everything a worker holds, metadata included (publisher restart, loss)."""
         w = self._workers.get(worker)
