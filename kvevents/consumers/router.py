@@ -32,7 +32,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
-from operator import add, mul, sub
+from operator import sub
 from typing import NamedTuple
 
 from kvevents.consumers.content import lookahead_key, prompt_keys, request_keys
@@ -235,8 +235,8 @@ class Router:
         zero = lw * 0.0
         if loads:
             # ``float(lw) * x == lw * x`` for an int ``lw`` too (int * float converts it)
-            costs = map((n - 0.0).__add__, map(float(lw).__mul__, map(float, loads.values())))
-            best = _cheapest(list(costs), loads)
+            base = map((n - 0.0).__add__, map(float(lw).__mul__, map(float, loads.values())))
+            best = _cheapest(list(base), loads)
             if not known <= loads.keys():
                 for wid in workers:  # the first index worker without a load (load 0.0)
                     if wid not in loads:
@@ -251,20 +251,17 @@ class Router:
             if not matches.keys() <= known:  # not expected: the index's own workers
                 return self._ranked_first(request, loads, lora_name, cache_salt, mm_features,
                                           prompt_embeds)  # fmt: skip
-            # each matched worker at its true cost, ``n - reused + lw * load`` (C loops)
-            gpu, cpu, storage = zip(*matches.values())
-            reused = map(
-                add,
-                map(add, map(mul, repeat(wt.gpu), gpu), map(mul, repeat(wt.cpu), cpu)),
-                map(mul, repeat(wt.storage), storage),
-            )
+            # each matched worker at its true cost, ``n - reused + lw * load``
+            wg, wc, ws = wt.gpu, wt.cpu, wt.storage
             if loads:
-                lw_load: Iterable[float] = map(
-                    mul, repeat(lw), map(float, map(loads.get, matches, repeat(0.0)))
-                )
+                get = loads.get
+                costs = [
+                    n - (wg * g + wc * c + ws * st) + lw * float(get(wid, 0.0))
+                    for wid, (g, c, st) in matches.items()
+                ]
             else:
-                lw_load = repeat(zero)
-            matched = _cheapest(list(map(add, map(sub, repeat(n), reused), lw_load)), matches)
+                costs = [n - (wg * g + wc * c + ws * st) + zero for g, c, st in matches.values()]
+            matched = _cheapest(costs, matches)
             if best is None or matched < best:
                 best = matched
         if best is None:
