@@ -186,16 +186,21 @@ def bench_codec(ref: Any, label: str, quick: bool) -> list[dict[str, Any]]:
 
 
 def _publisher(
-    which: str, endpoint: str, n: int, spec: Any, go: Any, stop: Any, quiet: bool
+    which: str, endpoint: str, n: int, spec: Any, go: Any, stop: Any, status: Any
 ) -> None:
-    if which == "ours":
-        from kvevents.publishers import ZmqEventPublisher
+    try:
+        if which == "ours":
+            from kvevents.publishers import ZmqEventPublisher
 
-        ns: Any = OURS
-        pub: Any = ZmqEventPublisher(0, endpoint)
-    else:
-        ns = reference(verbose=False)[0]
-        pub = ns.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
+            ns: Any = OURS
+            pub: Any = ZmqEventPublisher(0, endpoint)
+        else:
+            ns = reference(verbose=False)[0]
+            pub = ns.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
+    except Exception as exc:  # the port was taken meanwhile: the parent picks another
+        status.put(f"{type(exc).__name__}: {exc}")
+        return
+    status.put("ok")
     batches = [build(ns, spec, 1.0) for _ in range(8)]
     while not go.wait(0.01):  # probes until the subscriber has seen one
         pub.publish(ns.KVEventBatch(0.0, [], 0))
@@ -208,15 +213,23 @@ def _publisher(
 def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float]:
     """(events/s delivered, fraction delivered) for one side."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    probe = ctx.socket(zmq.PUB)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(0)
-    endpoint = f"tcp://127.0.0.1:{port}"
-    go, stop = mp.Event(), mp.Event()
-    # "*" makes vLLM's (and our) publisher bind; a plain host:port would connect out.
-    bind = f"tcp://*:{port}"
-    proc = mp.Process(target=_publisher, args=(which, bind, n, spec, go, stop, True))
-    proc.start()
+    for _attempt in range(5):
+        probe = ctx.socket(zmq.PUB)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(0)
+        endpoint = f"tcp://127.0.0.1:{port}"
+        go, stop = mp.Event(), mp.Event()
+        status: Any = mp.Queue()
+        # "*" makes vLLM's (and our) publisher bind; a plain host:port would connect out.
+        bind = f"tcp://*:{port}"
+        proc = mp.Process(target=_publisher, args=(which, bind, n, spec, go, stop, status))
+        proc.start()
+        state = status.get(timeout=60)
+        if state == "ok":
+            break
+        proc.join(10)
+    else:
+        raise RuntimeError(f"no free port for the publisher: {state}")
     got = 0
     first = last = 0.0
     try:
