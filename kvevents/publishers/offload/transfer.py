@@ -292,8 +292,15 @@ class CPUTransferWorker:
         else:
             gather_runs, gather_idx = _runs(dst_pos, src_pos)
         scatter_runs, scatter_idx = _runs(src_pos, dst_pos, unique=False)
-        # Scatter only from distinct source rows (run views must not overlap).
-        gather = len(gather_runs) <= len(scatter_runs) or np.unique(src_pos).size != src_pos.size
+        # Scatter only from distinct source rows (run views must not overlap).  Measured
+        # on CPU (4 layers x 512 random 64 KiB blocks): a store's gather and a load's
+        # scatter reach ~1.0x of one contiguous copy, a load's gather only ~0.8x, so a
+        # load scatters unless that takes over 4x the calls.
+        if store:
+            gather = len(gather_runs) <= len(scatter_runs)
+        else:
+            gather = len(gather_runs) * 4 < len(scatter_runs)
+        gather = gather or np.unique(src_pos).size != src_pos.size
         runs, idx = (gather_runs, gather_idx) if gather else (scatter_runs, scatter_idx)
         idx_np = idx.numpy()
         bounds = [(first, first + length, start, start + length) for first, start, length in runs]
