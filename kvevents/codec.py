@@ -292,6 +292,20 @@ class BatchDecoder:
         Raises :class:`DecodeError` if it is malformed, nested too deeply or too large
         to decode; no other exception escapes.
         """
+        # The common case first, with no extra call: map events (vLLM >= 0.24) in bytes,
+        # under a recursion limit that keeps msgspec's walk safe.
+        if (
+            type(payload) is bytes
+            and not self._array_first
+            and sys.getrecursionlimit() <= _TRUSTED_RECURSION_LIMIT
+        ):
+            try:
+                return self._map_form.decode(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            except _UNDECODABLE as exc:
+                raise _undecodable(exc, payload) from exc
+            return self._decode_after_map(payload)
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
         if sys.getrecursionlimit() > _TRUSTED_RECURSION_LIMIT:
@@ -316,6 +330,20 @@ class BatchDecoder:
         except _UNDECODABLE as exc:
             raise _undecodable(exc, payload) from exc
         self._array_first = not self._array_first
+        return batch
+
+    def _decode_after_map(self, payload: bytes) -> KVEventBatch:
+        """:meth:`decode`'s remaining tries once the map form failed on ``payload``."""
+        try:
+            try:
+                batch = self._decode_array(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return self._decode_generic(payload)
+        except DecodeError:
+            raise
+        except _UNDECODABLE as exc:
+            raise _undecodable(exc, payload) from exc
+        self._array_first = True
         return batch
 
     def decode_raw_tokens(self, payload: bytes | bytearray | memoryview) -> RawTokensBatch:
