@@ -864,11 +864,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="simulated engines + subscriber + index + router: compare routing policies",
-        description="Run simulated engines on loopback, subscribe to their KV events, build "
-        "the block index and route a seeded chat workload with the KV-aware router, the "
-        "same router fed GPU events only, round-robin and random; print hit rates per "
-        "tier and write a plot.",
+        help="simulated engines behind kvevents serve: compare routing policies over HTTP",
+        description="Run simulated engines on loopback (OpenAI HTTP fronts, KV-event "
+        "publishers), put kvevents serve in front with each policy (the KV-aware router, "
+        "the same router fed GPU events only, round-robin, random) and send a seeded "
+        "multi-turn chat workload through it with the load generator; print hit rates per "
+        "tier, time to first token and throughput, and write a plot.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run")
     p.add_argument("--engines", type=_positive_int, help="number of engines")
@@ -930,6 +931,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_demo)
+
+    from kvevents.serve.cli import add_parsers as _add_serve_parsers
+
+    _add_serve_parsers(sub)
     return parser
 
 

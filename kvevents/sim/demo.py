@@ -1,27 +1,29 @@
-"""The one-command demo: simulated engines, the subscriber, the index and the router.
+"""The one-command demo: simulated engines behind ``kvevents serve``, driven over HTTP.
 
 For each policy (KV-aware, KV-aware on the GPU tier only, round-robin, random)
-:func:`run_demo` starts fresh engines on loopback, subscribes to all of them, feeds every
-received batch into a ``BlockIndex`` on a consumer thread and routes the same seeded
-workload.  The GPU-only KV-aware router is fed only the GPU events (as routers that drop
-events without tokens are: CPU offload placeholders carry none), so it cannot see what the
-CPU tier holds; the difference between the two KV-aware rows is what the join is worth.  Requests arrive in waves (a
-session never has two turns in one wave, as a chat waits for its answer); after each
-wave the engines run until idle and the index catches up with everything they
-published, so the KV-aware router always routes on the index's view of real events.
+:func:`run_demo` starts fresh simulated engines, each with an OpenAI-compatible HTTP
+front and a KV-event publisher, puts ``kvevents serve`` with that policy in front of
+them (its subscriber, block index and router, all on real ZMQ and HTTP on loopback), and
+sends the same seeded multi-turn chat workload through the service with the load
+generator (``kvevents loadgen``), so what it reports is what a user's clients would see:
+requests arrive while earlier answers are still streaming, and the index routes on the
+events it has received by then.
 
-Hit rates are what the engines actually reused (ground truth), per tier:
-``gpu_hit_tokens / prompt_tokens`` and ``cpu_hit_tokens / prompt_tokens``.  For the
-KV-aware policy the router's predicted match for its chosen worker is compared with
-what that engine then reused.
+The GPU-only KV-aware router is fed only the GPU events (as routers that drop events
+without tokens are: CPU offload placeholders carry none), so it cannot see what the CPU
+tier holds; the difference between the two KV-aware rows is what the join is worth.
+
+Hit rates are what the engines actually reused (ground truth, from the engines' own
+counters), per tier: ``gpu_hit_tokens / prompt_tokens`` and ``cpu_hit_tokens /
+prompt_tokens``.  The service checks every prediction against the ``cached_tokens`` the
+engine reported (its online truth check); time to first token and throughput are the
+load generator's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -31,9 +33,8 @@ from typing import Any
 from kvevents.capture import CaptureWriter
 from kvevents.errors import ConfigError
 from kvevents.sim.block_pool import KVCacheGroupSpec
-from kvevents.sim.cluster import ClusterConfig, SimCluster
-from kvevents.sim.engine import RequestResult, SimEngineConfig
-from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
+from kvevents.sim.engine import SimEngineConfig
+from kvevents.sim.workload import SimRequest
 
 __all__ = [
     "POLICIES",
@@ -85,12 +86,17 @@ class DemoConfig:
     connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays.
     ``device`` holds the engines' simulated KV cache (``"cuda"`` moves the offload copies
     through CUDA streams and pinned host memory).  ``record_path`` writes every batch the
-    demo's subscriber receives to a capture file (all policies, each its own engines)."""
+    service's subscriber receives to a capture file (all policies, each its own engines).
+    ``concurrency`` is how many requests the load generator keeps in flight;
+    ``step_s`` / ``prefill_s_per_token`` the simulated engines' timing (100 µs per prompt
+    token computed: 10k tokens/s of prefill, so reuse shows in time to first token); with
+    ``dp_ranks`` > 1 every rank is its own simulated engine with its own HTTP front;
+    ``load_tokens`` is the service's price of a request in flight (``--load-tokens``)."""
 
     engines: int = 4
     requests: int = 320
     seed: int = 0
-    wave: int = 8
+    concurrency: int = 8
     dp_ranks: int = 1
     tenants: int = 4
     concurrent_sessions: int = 16
@@ -101,11 +107,14 @@ class DemoConfig:
     hold_s: float = 0.0
     device: str = "cpu"
     record_path: str | None = None
+    step_s: float = 0.002
+    prefill_s_per_token: float = 1e-4
+    load_tokens: float = 64.0
 
     @classmethod
     def quick(cls, **overrides: Any) -> DemoConfig:
         """A seconds-long run (fewer engines and requests)."""
-        base = cls(engines=3, requests=72, concurrent_sessions=9, tenants=3, wave=6)
+        base = cls(engines=3, requests=72, concurrent_sessions=9, tenants=3, concurrency=6)
         return replace(base, **overrides)
 
     def engine_config(self) -> SimEngineConfig:
@@ -113,11 +122,16 @@ class DemoConfig:
         base = self.engine or _default_engine()
         return base if self.device == "cpu" else replace(base, device=self.device)
 
-    def workload(self) -> WorkloadConfig:
-        return WorkloadConfig(
-            num_requests=self.requests,
-            num_tenants=self.tenants,
-            concurrent_sessions=self.concurrent_sessions,
+    def loadgen(self, url: str) -> Any:
+        """The load generator's configuration against ``url``."""
+        from kvevents.serve.loadgen import LoadgenConfig
+
+        return LoadgenConfig(
+            url,
+            requests=self.requests,
+            tenants=self.tenants,
+            sessions=self.concurrent_sessions,
+            concurrency=self.concurrency,
             seed=self.seed,
         )
 
@@ -145,6 +159,12 @@ class PolicyResult:
     saved_curve: list[int] = field(default_factory=list)
     index_holdings: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """What the index held at the end: per ``source#rank`` and tier, (entries, tokens)."""
+    reported_cached_tokens: int = 0
+    """Σ ``cached_tokens`` the engines reported to the clients."""
+    failed: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    requests_per_s: float = 0.0
 
     @property
     def tokens_saved(self) -> int:
@@ -197,242 +217,166 @@ def waves(requests: Sequence[SimRequest], size: int) -> list[list[SimRequest]]:
     return out
 
 
-class _Consumer:
-    """Subscriber → BlockIndex on a thread; knows the last seq applied per worker."""
+class _DemoWorker:
+    """What ``on_start`` callers print about an engine (name, endpoints)."""
 
-    def __init__(
-        self,
-        cluster: SimCluster,
-        engine: SimEngineConfig,
-        capture: CaptureWriter | None,
-        *,
-        gpu_only: bool = False,
-    ) -> None:
-        from kvevents.consumers import BlockIndex, Router, Subscriber
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine.engine
+        self.endpoint = engine.events_endpoint
+        self.replay_endpoint = engine.replay_endpoint
+        self.engine_endpoint: str = engine.publisher.endpoint
+        """The address the engine's publisher is bound to (``endpoint`` is where to
+        connect: a wildcard bind reads as loopback there)."""
+        self.engine_replay_endpoint: str | None = engine.publisher.replay_endpoint
+        self.url = engine.url
 
-        self.capture = capture
-        self.gpu_only = gpu_only
-        self.lock = threading.Lock()
-        self.subscriber = Subscriber(
-            cluster.endpoints,
-            replay_endpoints=cluster.replay_endpoints,
-        )
-        self.index = BlockIndex(blocks_per_chunk=engine.blocks_per_chunk)
-        self.router = Router(self.index)
-        self.last_seq: dict[WorkerId, int] = {}
-        self.events = 0
-        self.batches = 0
-        self.busy_s = 0.0
-        self.anomalies: Counter[str] = Counter()
-        self.anomaly_details: list[str] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(
-            target=self._run, name="kvevents-demo-consumer", daemon=True
-        )
-        self._thread.start()
 
-    def _run(self) -> None:
+class _DemoFleet:
+    """The engines and the service of one policy, as ``on_start`` sees them."""
+
+    def __init__(self, stack: Any) -> None:
+        self.url = stack.url
+        self.workers = [_DemoWorker(e) for e in stack.engines]
+
+
+def _engine_host_port(bind: str) -> tuple[str, int | None]:
+    """The host and fixed PUB port asked for in ``bind`` (``tcp://HOST:P``; port 0: free
+    ports)."""
+    head, sep, port = bind.rpartition(":")
+    if not bind.startswith("tcp://") or not sep or not port.isdigit():
+        raise ConfigError(f"the demo's endpoint must be tcp://HOST:PORT, got {bind!r}")
+    host = head[len("tcp://") :].strip("[]")
+    return ("*" if host in ("", "*") else host), (int(port) or None)
+
+
+def _wait_ready(url: str, timeout_s: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
-            self._loop()
-        except BaseException as exc:  # surfaced to the routing thread by wait_for()
-            logger.exception("demo consumer failed")
-            with self._cond:
-                self.error = exc
-                self._cond.notify_all()
-
-    def _loop(self) -> None:
-        from kvevents.consumers import Anomaly, ReceivedBatch
-
-        while not self._stop.is_set():
-            item = self.subscriber.receive(timeout=0.05)
-            if item is None:
-                continue
-            t0 = time.perf_counter()
-            if isinstance(item, ReceivedBatch):
-                wid = (item.source, item.dp_rank)
-                if self.capture is not None:
-                    self.capture.write(
-                        item.source,
-                        item.topic,
-                        item.seq,
-                        item.payload,
-                        recv_ts=item.recv_ts,
-                        replayed=item.replayed,
-                    )
-                batch = _gpu_events(item.batch) if self.gpu_only else item.batch
-                with self.lock:
-                    self.index.apply(item.source, item.dp_rank, batch)
-                self.batches += 1
-                self.events += len(item.batch.events)
-                with self._cond:
-                    self.last_seq[wid] = max(self.last_seq.get(wid, -1), item.seq)
-                    self._cond.notify_all()
-            elif isinstance(item, Anomaly):
-                self.anomalies[item.kind] += 1
-                rank = "?" if item.dp_rank is None else item.dp_rank
-                self.anomaly_details.append(f"{item.kind} {item.source}#{rank}: {item.detail}")
-                if item.needs_reset and item.dp_rank is not None:
-                    with self.lock:
-                        self.index.reset_worker((item.source, item.dp_rank))
-            self.busy_s += time.perf_counter() - t0
-
-    def seen(self, wid: WorkerId) -> bool:
-        with self._cond:
-            return wid in self.last_seq
-
-    def wait_for(self, targets: dict[WorkerId, int], timeout_s: float) -> bool:
-        """Wait until every worker's applied seq reaches its target."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if self.error is not None:
-                    raise RuntimeError(f"the demo's consumer thread failed: {self.error}")
-                if all(self.last_seq.get(w, -1) >= s for w, s in targets.items()):
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.subscriber.close()
-
-
-def _gpu_events(batch: Any) -> Any:
-    """The batch without its CPU/STORAGE events (``medium`` ``None`` is GPU, ≤0.10)."""
-    from kvevents.events import MEDIUM_GPU, KVEventBatch
-
-    events = [e for e in batch.events if getattr(e, "medium", None) in (None, MEDIUM_GPU)]
-    if len(events) == len(batch.events):
-        return batch
-    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    return False
 
 
 def run_policy(
     policy: str,
-    requests: Sequence[SimRequest],
     config: DemoConfig,
     *,
     progress: Callable[[str, int, int], None] | None = None,
-    on_start: Callable[[str, SimCluster], None] | None = None,
+    on_start: Callable[[str, Any], None] | None = None,
     capture: CaptureWriter | None = None,
 ) -> PolicyResult:
-    """Route ``requests`` with ``policy`` on fresh engines; see the module docstring.
+    """Serve the workload with ``policy`` on fresh engines; see the module docstring.
 
-    With ``capture``, every batch the demo's subscriber receives is also written to it.
+    With ``capture``, every batch the service's subscriber receives is also written to it.
     """
+    import asyncio
+
+    import httpx
+
+    from kvevents.serve.config import ServeConfig
+    from kvevents.serve.loadgen import run_loadgen
+    from kvevents.serve.stack import LocalStack
+    from kvevents.sim.http import SimHTTPConfig
+
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     engine_cfg = config.engine_config()
     res = PolicyResult(policy)
-    rng = random.Random(config.seed ^ 0x5EED)
-    cluster = SimCluster(
-        ClusterConfig(
-            num_engines=config.engines,
-            dp_ranks=config.dp_ranks,
-            engine=engine_cfg,
-            bind=config.bind,
-        )
+    sim = SimHTTPConfig(
+        engine=engine_cfg, step_s=config.step_s, prefill_s_per_token=config.prefill_s_per_token
     )
-    consumer: _Consumer | None = None
-    try:
+    serve = ServeConfig(
+        policy=policy,
+        blocks_per_chunk=engine_cfg.blocks_per_chunk,
+        seed=config.seed,
+        scrape_interval_s=0.25,
+        load_tokens=config.load_tokens,
+    )
+    n = config.engines * config.dp_ranks
+    events_host, events_port = _engine_host_port(config.bind)
+    with LocalStack(
+        n,
+        serve=serve,
+        sim=sim,
+        events_port=events_port,
+        events_host=events_host,
+        capture=capture,
+    ) as stack:
         if on_start is not None:
-            on_start(policy, cluster)
-        consumer = _Consumer(cluster, engine_cfg, capture, gpu_only=policy == "kv-aware-gpu")
+            on_start(policy, _DemoFleet(stack))
+        if not _wait_ready(stack.url, config.catch_up_timeout_s):
+            res.anomalies["service_not_ready"] += 1
         if config.hold_s > 0:
             time.sleep(config.hold_s)  # outside subscribers (kvevents record) join
-        missing = cluster.announce(consumer.seen)
-        for wid in missing:
-            res.anomalies["worker_not_connected"] += 1
-            logger.warning("demo: no batch from %s#%d reached the subscriber", *wid)
-        workers = [w.worker_id for w in cluster.workers]
-        t0 = time.perf_counter()  # events/s covers routing and serving, not start-up
-        events_before = consumer.events
-        predicted: dict[str, int] = {}
-        rr = 0
-        done = 0
-        for wave in waves(requests, config.wave):
-            loads: dict[WorkerId, float] = dict.fromkeys(workers, 0.0)
-            for r in wave:
-                if policy in _KV_AWARE:
-                    with consumer.lock:
-                        sel = consumer.router.select(list(r.prompt), loads=loads)
-                        wid = (str(sel[0]), int(sel[1]))
-                        match = consumer.router.find_matches(list(r.prompt)).get(wid)
-                    if match is not None:
-                        predicted[r.request_id] = int(match.gpu) + int(match.cpu)
-                elif policy == "round-robin":
-                    wid = workers[rr % len(workers)]
-                    rr += 1
-                else:
-                    wid = rng.choice(workers)
-                w = cluster.worker(wid)
-                w.engine.add_request(r)
-                loads[w.worker_id] += len(r.prompt)
-                res.requests_per_worker[w.engine.name] += 1
-            cluster.run_until_idle()
-            targets = {w.worker_id: w.engine.stats.batches_published - 1 for w in cluster.workers}
-            if not consumer.wait_for(targets, config.catch_up_timeout_s):
-                res.anomalies["index_catch_up_timeout"] += 1
-            done += len(wave)
+        published0 = sum(e.engine.stats.events_published for e in stack.engines)
+
+        def tick(done: int, total: int) -> None:
             if progress is not None:
-                progress(policy, done, len(requests))
-        by_id: dict[str, RequestResult] = {}
-        for w in cluster.workers:
-            for rr_res in w.engine.results:
-                by_id[rr_res.request_id] = rr_res
-        saved = 0
-        for r in requests:
-            got = by_id.get(r.request_id)
-            if got is None:
-                res.anomalies["request_not_finished"] += 1
-                continue
-            res.requests += 1
-            res.prompt_tokens += got.prompt_tokens
-            res.gpu_hit_tokens += got.gpu_hit_tokens
-            res.cpu_hit_tokens += got.cpu_hit_tokens
-            res.computed_tokens += got.computed_tokens
-            saved += got.gpu_hit_tokens + got.cpu_hit_tokens
-            res.saved_curve.append(saved)
-            if r.request_id in predicted:
-                p = predicted[r.request_id]
-                res.predicted_tokens += p
-                if p == got.gpu_hit_tokens + got.cpu_hit_tokens:
-                    res.predicted_exact += 1
-        res.wall_s = time.perf_counter() - t0
+                progress(policy, done, total)
+
+        report = asyncio.run(run_loadgen(config.loadgen(stack.url), progress=tick))
+        # the index has applied everything the engines published (for the holdings)
+        deadline = time.monotonic() + config.catch_up_timeout_s
+        workers: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            workers = httpx.get(stack.url + "/workers", timeout=10).json()["workers"]
+            published = [e.engine.stats.batches_published for e in stack.engines]
+            if all(w["batches"] >= p for w, p in zip(workers, published)):
+                break
+            time.sleep(0.02)
+        else:
+            res.anomalies["index_catch_up_timeout"] += 1
         if config.hold_s > 0:
             time.sleep(config.hold_s)  # let outside subscribers finish their replays
-        res.batches = consumer.batches
-        res.events = consumer.events - events_before
-        res.consume_s = consumer.busy_s
-        res.anomalies.update(consumer.anomalies)
-        res.anomaly_details.extend(consumer.anomaly_details)
-        with consumer.lock:
-            res.index_holdings = _index_holdings(consumer.index)
-    finally:
-        if consumer is not None:
-            consumer.close()
-        cluster.close()
+        lg = report.to_json()
+        res.wall_s = report.wall_s
+        res.requests = lg["ok"]
+        res.failed = lg["failed"]
+        if res.failed:
+            res.anomalies["request_failed"] += res.failed
+            res.anomaly_details.extend(f"{k}: {v}" for k, v in lg["errors"].items())
+        res.ttft_p50_s = lg["ttft_p50_s"]
+        res.ttft_p99_s = lg["ttft_p99_s"]
+        res.requests_per_s = lg["requests_per_s"]
+        res.reported_cached_tokens = lg["cached_tokens"]
+        for w, count in lg["workers"].items():
+            res.requests_per_worker[w] = count
+        saved = 0
+        for r in report.records:  # in the order the answers completed
+            if r.ok:
+                saved += r.cached_tokens or 0
+                res.saved_curve.append(saved)
+        for e in stack.engines:  # ground truth: what the engines reused
+            st = e.engine.stats
+            res.prompt_tokens += st.prompt_tokens
+            res.gpu_hit_tokens += st.gpu_hit_tokens
+            res.cpu_hit_tokens += st.cpu_hit_tokens
+            res.computed_tokens += st.computed_tokens
+        res.events = sum(e.engine.stats.events_published for e in stack.engines) - published0
+        for w in workers:
+            res.batches += w["batches"]
+            res.predicted_exact += w["truth"]["exact"]
+            res.predicted_tokens += w["predicted_cached_tokens"]
+            for kind, k in w["anomalies"].items():
+                res.anomalies[kind] += k
+            res.anomaly_details.extend(f"{w['worker']}: {d}" for d in w["recent_anomalies"])
+            res.index_holdings[w["worker"]] = {
+                tier: (b["entries"], b["tokens"]) for tier, b in w["blocks"].items()
+            }
     return res
-
-
-def _index_holdings(index: Any) -> dict[str, dict[str, tuple[int, int]]]:
-    """Per worker (``source#rank``) and tier: (entries, tokens) the index holds."""
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for wid, ws in index.summary().items():
-        out[f"{wid[0]}#{wid[1]}"] = {t: (s.entries, s.tokens) for t, s in ws.tiers.items()}
-    return out
 
 
 def _warm_up(engine: SimEngineConfig) -> None:
     """Import what the first policy would otherwise pay for (torch, the consumers)."""
     import importlib
 
-    names = ["kvevents.consumers", "kvevents.publishers"]
+    names = ["kvevents.consumers", "kvevents.publishers", "kvevents.serve.app"]
     if engine.num_cpu_chunks and engine.transfers:
         names.append("kvevents.publishers.offload.transfer")
     for name in names:
@@ -444,24 +388,27 @@ def run_demo(
     config: DemoConfig | None = None,
     *,
     progress: Callable[[str, int, int], None] | None = None,
-    on_start: Callable[[str, SimCluster], None] | None = None,
+    on_start: Callable[[str, Any], None] | None = None,
 ) -> DemoReport:
-    """Run every policy of ``config`` on the same seeded workload."""
+    """Run every policy of ``config`` on the same seeded workload.  Needs the ``serve``
+    extra (the engines and the service talk HTTP)."""
+    from kvevents.serve import require_serve_extra
+
+    require_serve_extra("kvevents demo")
     config = config or DemoConfig()
     t0 = time.perf_counter()
-    requests = generate_workload(config.workload())
     notes: list[str] = []
     engine_cfg = config.engine_config()
     _warm_up(engine_cfg)
     if engine_cfg.num_cpu_chunks == 0:
-        notes.append("CPU offload is off (kvevents.publishers.offload is not available)")
+        notes.append("CPU offload is off")
     capture = None
     if config.record_path:
         meta = {"recorder": "kvevents demo", "policies": list(config.policies), "seed": config.seed}
         capture = CaptureWriter(config.record_path, meta=meta, flush_every=64)
     try:
         results = [
-            run_policy(p, requests, config, progress=progress, on_start=on_start, capture=capture)
+            run_policy(p, config, progress=progress, on_start=on_start, capture=capture)
             for p in config.policies
         ]
     finally:
@@ -483,20 +430,27 @@ def format_report(report: DemoReport) -> str:
         f"kvevents demo: {cfg.engines} engines x {cfg.dp_ranks} DP rank(s), GPU {eng.num_gpu_blocks} "
         f"blocks of {sizes} tokens, {cpu}"
         + (f", KV on {eng.device}" if eng.device != "cpu" else ""),
-        f"workload: {cfg.requests} requests, {cfg.tenants} tenants with shared system prompts, "
-        f"{cfg.concurrent_sessions} concurrent chat sessions, seed {cfg.seed}",
+        f"workload: {cfg.requests} chat requests over HTTP through kvevents serve, "
+        f"{cfg.tenants} tenants with shared system prompts, {cfg.concurrent_sessions} "
+        f"conversations open at once, {cfg.concurrency} requests in flight, seed {cfg.seed}",
         "",
     ]
     header = (
         f"{'policy':<20} {'GPU hit':>8} {'CPU hit':>8} {'total':>7} {'tokens saved':>13} "
-        f"{'prefilled':>10} {'events':>8} {'events/s':>9} {'anomalies':>9}"
+        f"{'prefilled':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6} {'events/s':>9} "
+        f"{'anomalies':>9}"
     )
     lines += [header, "-" * len(header)]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f} ms"
+
     for r in report.results:
         lines.append(
-            f"{POLICY_LABELS.get(r.policy, r.policy):<20} {r.rate(r.gpu_hit_tokens):>8.1%} {r.rate(r.cpu_hit_tokens):>8.1%} "
-            f"{r.hit_rate:>7.1%} {r.tokens_saved:>13,} {r.computed_tokens:>10,} {r.events:>8,} "
-            f"{r.events_per_s:>9,.0f} {sum(r.anomalies.values()):>9}"
+            f"{POLICY_LABELS.get(r.policy, r.policy):<20} {r.rate(r.gpu_hit_tokens):>8.1%} "
+            f"{r.rate(r.cpu_hit_tokens):>8.1%} {r.hit_rate:>7.1%} {r.tokens_saved:>13,} "
+            f"{r.computed_tokens:>10,} {ms(r.ttft_p50_s):>9} {ms(r.ttft_p99_s):>9} "
+            f"{r.requests_per_s:>6.1f} {r.events_per_s:>9,.0f} {sum(r.anomalies.values()):>9}"
         )
     lines.append("")
     names = [r.policy for r in report.results]
@@ -520,8 +474,8 @@ def format_report(report: DemoReport) -> str:
             if kv.requests:
                 lines.append(
                     f"Router prediction ({POLICY_LABELS.get(policy, policy)}, index built from "
-                    f"the event stream at arrival) matched the engine's actual reuse exactly "
-                    f"for {kv.predicted_exact}/{kv.requests} requests."
+                    f"the event stream at arrival) matched the cached_tokens the engine "
+                    f"reported exactly for {kv.predicted_exact}/{kv.requests} requests."
                 )
     for r in report.results:
         if r.anomalies:
@@ -552,6 +506,11 @@ def report_to_json(report: DemoReport) -> dict[str, Any]:
                 "cpu_hit_rate": r.rate(r.cpu_hit_tokens),
                 "hit_rate": r.hit_rate,
                 "predicted_exact": r.predicted_exact,
+                "reported_cached_tokens": r.reported_cached_tokens,
+                "failed": r.failed,
+                "ttft_p50_s": r.ttft_p50_s,
+                "ttft_p99_s": r.ttft_p99_s,
+                "requests_per_s": r.requests_per_s,
                 "batches": r.batches,
                 "events": r.events,
                 "events_per_s": r.events_per_s,
@@ -566,6 +525,7 @@ def report_to_json(report: DemoReport) -> dict[str, Any]:
         "engines": cfg.engines,
         "dp_ranks": cfg.dp_ranks,
         "requests": cfg.requests,
+        "concurrency": cfg.concurrency,
         "seed": cfg.seed,
         "engine": {
             "block_sizes": [g.block_size for g in eng.groups],

@@ -87,8 +87,8 @@ def bound_endpoints(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         start = kw.pop("on_start")
 
         def on_start(policy: str, cluster: Any) -> None:
-            seen.extend(w.publisher.endpoint for w in cluster.workers)
-            seen.extend(w.publisher.replay_endpoint for w in cluster.workers)
+            seen.extend(w.engine_endpoint for w in cluster.workers)
+            seen.extend(w.engine_replay_endpoint for w in cluster.workers)
             start(policy, cluster)
 
         return real(config, on_start=on_start, **kw)
@@ -139,14 +139,40 @@ def test_results_come_before_the_plot_and_a_bad_plot_loses_nothing(
 
 
 def test_the_demo_without_torch_prints_the_same_hit_rates() -> None:
-    with_torch = run_kvevents(*QUICK, "--json", "-q")
+    """torch only moves the simulated KV bytes: the engine's events and reuse are the same
+    with and without those copies (checked on a seeded in-process run, since the demo's
+    HTTP path itself varies a little from run to run), and the demo runs without torch,
+    saying so in one note."""
+    pytest.importorskip("torch")
+    from kvevents.events import KVEventBatch
+    from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload
+    from kvevents.sim.engine import SimEngine
+
+    def run(transfers: bool) -> tuple[list[list[object]], list[object]]:
+        batches: list[KVEventBatch] = []
+
+        class Sink:
+            def publish(self, batch: KVEventBatch) -> None:
+                batches.append(batch)
+
+            def shutdown(self) -> None:
+                return None
+
+        cfg = SimEngineConfig(num_gpu_blocks=64, num_cpu_chunks=32, blocks_per_chunk=2,
+                              transfers=transfers)  # fmt: skip
+        engine = SimEngine(cfg, Sink())
+        for r in generate_workload(WorkloadConfig(num_requests=60, seed=1)):
+            engine.add_request(r)
+        while not engine.idle:
+            engine.step()
+        return [list(b.events) for b in batches], list(engine.admissions)
+
+    with_copies, without_copies = run(True), run(False)
+    assert with_copies[0] and with_copies[1]
+    assert with_copies == without_copies
     no_torch = without("torch", *QUICK, "--json", "-q")
-    assert with_torch.returncode == 0 and no_torch.returncode == 0, no_torch.stderr
-    a, b = json.loads(with_torch.stdout), json.loads(no_torch.stdout)
-    keys = ("gpu_hit_tokens", "cpu_hit_tokens", "computed_tokens", "events", "anomalies")
-    for pa, pb in zip(a["policies"], b["policies"]):
-        assert {k: pa[k] for k in keys} == {k: pb[k] for k in keys}
-    assert any("torch is not installed" in n for n in b["notes"])
+    assert no_torch.returncode == 0, no_torch.stderr
+    assert any("torch is not installed" in n for n in json.loads(no_torch.stdout)["notes"])
     assert no_torch.stderr == ""
 
 

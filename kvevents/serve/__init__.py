@@ -1,0 +1,42 @@
+"""``kvevents serve``: an OpenAI-compatible, KV-aware routing service (DESIGN §8).
+
+The configuration (:class:`ServeConfig`, :class:`EngineSpec`, :func:`load_config`,
+:func:`parse_engine_spec`) imports nothing beyond the core.  The service itself
+(:class:`~kvevents.serve.app.ServeApp`) needs the ``serve`` extra (Starlette, uvicorn,
+httpx, prometheus-client): ``pip install 'kvevents[serve]'``.
+"""
+
+from kvevents.serve.config import (
+    POLICIES,
+    EngineSpec,
+    ServeConfig,
+    load_config,
+    parse_engine_spec,
+)
+
+__all__ = [
+    "POLICIES",
+    "EngineSpec",
+    "ServeConfig",
+    "load_config",
+    "parse_engine_spec",
+    "require_serve_extra",
+]
+
+_SERVE_EXTRA_HINT = "pip install 'kvevents[serve]'"
+
+
+def require_serve_extra(what: str = "kvevents serve") -> None:
+    """Raise :class:`~kvevents.errors.ConfigError` (one line naming the extra) when a
+    package of the ``serve`` extra is missing."""
+    import importlib.util
+
+    from kvevents.errors import ConfigError
+
+    missing = [
+        m
+        for m in ("starlette", "uvicorn", "httpx", "prometheus_client")
+        if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise ConfigError(f"{what} needs {', '.join(missing)}: {_SERVE_EXTRA_HINT}")

@@ -1,0 +1,250 @@
+"""Subcommands ``serve``, ``sim serve`` and ``loadgen`` of the ``kvevents`` CLI.
+
+:func:`add_parsers` adds them to the main parser; everything beyond argparse is imported
+when a command runs, and a missing ``serve`` extra is one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+from typing import Any
+
+from kvevents.errors import ConfigError
+
+__all__ = ["add_parsers"]
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvevents.serve import load_config, require_serve_extra
+
+    require_serve_extra("kvevents serve")
+    import uvicorn
+
+    from kvevents.serve.app import ServeApp
+
+    config = load_config(
+        config_file=args.config,
+        engines=args.engine or (),
+        options={
+            "host": args.host,
+            "port": args.port,
+            "policy": args.policy,
+            "tokenizer": args.tokenizer,
+            "blocks_per_chunk": args.blocks_per_chunk,
+            "load_tokens": args.load_tokens,
+            "scrape_interval_s": args.scrape_interval,
+            "seed": args.seed,
+        },
+    )
+    service = ServeApp(config)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as exc:
+        service.fleet.close()
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            service.app,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_keep_alive=30,
+            server_header=False,  # the engine's own headers come through unchanged
+            date_header=False,
+        )
+    )
+    names = ", ".join(e.name for e in config.engines)
+    print(
+        f"kvevents serve: listening on http://{config.host}:{port} "
+        f"(policy {config.policy}; engines {names})",
+        flush=True,
+    )
+    server.run(sockets=[sock])
+    return 0
+
+
+def _cmd_sim_serve(args: argparse.Namespace) -> int:
+    from kvevents.serve import require_serve_extra
+
+    require_serve_extra("kvevents sim serve")
+    from dataclasses import replace
+
+    from kvevents.sim.http import SimHTTPConfig, default_http_engine, run_sim_fleet
+
+    engine = default_http_engine()
+    over: dict[str, Any] = {}
+    if args.gpu_blocks is not None:
+        over["num_gpu_blocks"] = args.gpu_blocks
+    if args.cpu_chunks is not None:
+        over["num_cpu_chunks"] = args.cpu_chunks
+    if args.blocks_per_chunk is not None:
+        over["blocks_per_chunk"] = args.blocks_per_chunk
+    if over:
+        engine = replace(engine, **over)
+    engine.validate()
+    config = SimHTTPConfig(
+        engine=engine,
+        step_s=args.step_ms / 1000.0,
+        prefill_s_per_token=args.prefill_us_per_token / 1e6,
+        loras=tuple(x for x in (args.lora or "").split(",") if x),
+    )
+
+    def on_ready(specs: list[str]) -> None:
+        for s in specs:
+            sys.stdout.write(f"--engine {s}\n")
+        sys.stdout.flush()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_sim_fleet(
+            args.engines,
+            config=config,
+            host=args.host,
+            http_base=args.http_port,
+            events_base=args.events_port,
+            stop=stop,
+            on_ready=on_ready,
+        )
+
+    asyncio.run(main())
+    return 0
+
+
+def _cmd_loadgen(args: argparse.Namespace) -> int:
+    import json
+
+    from kvevents.serve import require_serve_extra
+
+    require_serve_extra("kvevents loadgen")
+    from kvevents.serve.loadgen import (
+        LoadgenConfig,
+        ProgressBar,
+        format_loadgen,
+        run_loadgen,
+    )
+
+    cfg = LoadgenConfig(
+        url=args.url.rstrip("/"),
+        requests=args.requests,
+        tenants=args.tenants,
+        sessions=args.sessions,
+        max_tokens=args.max_tokens,
+        concurrency=None if args.rate is not None else args.concurrency,
+        rate=args.rate,
+        seed=args.seed,
+        model=args.model,
+    )
+    cfg.validate()
+    bar = ProgressBar()
+    bar.enabled = bar.enabled and not args.quiet
+    report = asyncio.run(run_loadgen(cfg, progress=bar))
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_loadgen(report))
+    return 0 if report.ok else 1
+
+
+def add_parsers(sub: Any) -> None:
+    """Add ``serve``, ``sim`` (``sim serve``) and ``loadgen`` to the CLI's subparsers."""
+    from kvevents.serve.config import POLICIES
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible KV-aware routing service in front of engines",
+        description="Route OpenAI requests to the engine that holds their prefix (GPU, CPU "
+        "and storage tiers, from the engines' own KV events), traded against load.  Serves "
+        "/v1/completions, /v1/chat/completions, /v1/models, /route, /workers, /metrics, "
+        "/healthz, /readyz and a live dashboard at /.  Needs: pip install 'kvevents[serve]'.",
+    )
+    p.add_argument(
+        "--engine",
+        action="append",
+        metavar="SPEC",
+        help="NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T] (repeatable)",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with [[engine]] tables and options")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000; 0: any free)")
+    p.add_argument("--policy", choices=POLICIES, help="routing policy (default kv-aware)")
+    p.add_argument(
+        "--tokenizer", metavar="FILE", help="local tokenizer file (default: ask engines)"
+    )
+    p.add_argument(
+        "--blocks-per-chunk", type=int, metavar="N", help="engines' GPU blocks per CPU chunk"
+    )
+    p.add_argument(
+        "--load-tokens",
+        type=float,
+        metavar="T",
+        help="cost of one request already in flight on an engine, in prompt tokens (64)",
+    )
+    p.add_argument(
+        "--scrape-interval", type=float, metavar="S", help="engine /metrics interval (1)"
+    )
+    p.add_argument("--seed", type=int, help="seed of the random policy")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("sim", help="simulated engines (sim serve)")
+    simsub = p.add_subparsers(dest="sim_command", required=True)
+    q = simsub.add_parser(
+        "serve",
+        help="simulated engines with OpenAI-compatible HTTP fronts and KV-event publishers",
+        description="Start N simulated engines, each with an OpenAI-compatible HTTP front "
+        "and a vLLM-shaped KV-event publisher with replay.  Once all listen, print one "
+        "'--engine sim-I=http://...,tcp://...,tcp://...' line per engine (for kvevents "
+        "serve); run until SIGINT/SIGTERM.",
+    )
+    q.add_argument("--engines", type=int, default=1, help="number of engines (1)")
+    q.add_argument("--host", default="127.0.0.1", help="HTTP address (127.0.0.1)")
+    q.add_argument("--http-port", type=int, metavar="BASE", help="engine I listens on BASE+I")
+    q.add_argument(
+        "--events-port",
+        type=int,
+        metavar="BASE",
+        help="engine I publishes on BASE+2I and serves replay on BASE+2I+1",
+    )
+    q.add_argument("--gpu-blocks", type=int, metavar="N", help="GPU blocks per engine (1024)")
+    q.add_argument("--cpu-chunks", type=int, metavar="N", help="CPU chunks per engine (512; 0 off)")
+    q.add_argument("--blocks-per-chunk", type=int, metavar="N", help="GPU blocks per chunk (4)")
+    q.add_argument("--step-ms", type=float, default=2.0, help="fixed cost of an engine step (2 ms)")
+    q.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=20.0,
+        help="step time added per prompt token computed (20 us)",
+    )
+    q.add_argument("--lora", metavar="A[,B...]", help="LoRA adapter names served besides the base")
+    q.set_defaults(func=_cmd_sim_serve)
+
+    p = sub.add_parser(
+        "loadgen",
+        help="send a seeded multi-turn chat workload to an OpenAI endpoint",
+        description="Multi-turn chats (shared system prompts per tenant, growing histories) "
+        "at a concurrency or a rate; reports prefix reuse (from cached_tokens), time to "
+        "first token and throughput.",
+    )
+    p.add_argument("url", help="base URL of the OpenAI server (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--requests", type=int, default=200, help="requests to send (200)")
+    p.add_argument("--tenants", type=int, default=4, help="distinct system prompts (4)")
+    p.add_argument("--sessions", type=int, default=16, help="conversations open at once (16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length (32)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    load.add_argument("--rate", type=float, help="requests per second (Poisson arrivals)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    p.add_argument("--model", help="model name to send")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_loadgen)

@@ -1,0 +1,284 @@
+"""Configuration of ``kvevents serve``: the engines and the service options.
+
+An engine is named on the command line as
+``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]`` (repeatable), in a
+TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``, ``replay``, ``dp``,
+``topic``; service options at the top level or under ``[serve]``), and overridden by the
+environment (``KVEVENTS_SERVE_HOST``, ``KVEVENTS_SERVE_PORT``, ``KVEVENTS_SERVE_POLICY``,
+``KVEVENTS_SERVE_ENGINES``: engine specs separated by whitespace).
+
+``dp=N`` makes one entry stand for data-parallel ranks ``0..N-1``: rank ``r`` publishes on
+the events (and replay) endpoint with its port moved up by ``r``, vLLM's offset rule
+(``offset_endpoint``), and takes requests on the same HTTP URL with the
+``X-data-parallel-rank: r`` header.
+
+Nothing here needs the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvevents.errors import ConfigError
+
+__all__ = [
+    "POLICIES",
+    "EngineSpec",
+    "ServeConfig",
+    "load_config",
+    "parse_engine_spec",
+]
+
+POLICIES: tuple[str, ...] = ("kv-aware", "kv-aware-gpu", "round-robin", "random")
+"""Routing policies: KV-aware over every tier, KV-aware on the GPU tier only, and two
+baselines that ignore the cache."""
+
+_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine (one ``--engine`` entry).
+
+    ``url`` is its OpenAI server's base URL (no trailing slash); ``events`` its KV-event
+    PUB endpoint; ``replay`` its replay ROUTER endpoint (None: no replay); ``dp`` how many
+    data-parallel ranks publish at offset ports; ``topic`` the topic prefix subscribed to.
+    """
+
+    name: str
+    url: str
+    events: str
+    replay: str | None = None
+    dp: int = 1
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"engine name {self.name!r} must match [A-Za-z0-9_-]+")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine {self.name}: HTTP URL {self.url!r} must start with http://")
+        for what, ep in (("events", self.events), ("replay", self.replay)):
+            if ep is not None and "://" not in ep:
+                raise ConfigError(f"engine {self.name}: {what} endpoint {ep!r} is not a ZMQ URL")
+        if self.dp < 1:
+            raise ConfigError(f"engine {self.name}: dp must be >= 1")
+        if self.url.endswith("/"):
+            object.__setattr__(self, "url", self.url.rstrip("/"))
+
+    def rank_endpoints(self, rank: int) -> tuple[str, str | None]:
+        """The events and replay endpoints of data-parallel rank ``rank``."""
+        from kvevents.publishers.factory import offset_endpoint
+
+        events = offset_endpoint(self.events, rank)
+        assert events is not None
+        return events, offset_endpoint(self.replay, rank)
+
+    def spec(self) -> str:
+        """This engine as an ``--engine`` value."""
+        parts = [self.url, self.events] + ([self.replay] if self.replay else [])
+        out = f"{self.name}={','.join(parts)}"
+        if self.dp != 1:
+            out += f";dp={self.dp}"
+        if self.topic:
+            out += f";topic={self.topic}"
+        return out
+
+
+def parse_engine_spec(text: str) -> EngineSpec:
+    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T]``; :class:`ConfigError` if bad."""
+    name, sep, rest = text.strip().partition("=")
+    if not sep or not rest:
+        raise ConfigError(
+            f"--engine {text!r}: expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]"
+            "[;dp=N][;topic=T]"
+        )
+    main, *options = rest.split(";")
+    parts = [p.strip() for p in main.split(",")]
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(
+            f"--engine {text!r}: expected HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] after '='"
+        )
+    dp, topic = 1, ""
+    for opt in options:
+        key, eq, value = opt.strip().partition("=")
+        if key == "dp" and eq:
+            try:
+                dp = int(value)
+            except ValueError:
+                raise ConfigError(f"--engine {text!r}: dp={value!r} is not an integer") from None
+        elif key == "topic" and eq:
+            topic = value
+        else:
+            raise ConfigError(f"--engine {text!r}: unknown option {opt!r} (dp=N or topic=T)")
+    return EngineSpec(
+        name.strip(), parts[0], parts[1], parts[2] if len(parts) == 3 else None, dp, topic
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``kvevents serve`` runs with.
+
+    * ``policy``: one of :data:`POLICIES`.
+    * ``tokenizer``: a local tokenizer file used instead of the engines' ``/tokenize``.
+    * ``blocks_per_chunk``: GPU blocks per CPU chunk of the engines (None: learned).
+    * ``load_tokens``: what one request already in flight on an engine costs a new one,
+      in prompt tokens (the router trades reuse against this).
+    * ``scrape_interval_s``: how often engines' ``/metrics`` are read.
+    * ``request_timeout_s``: upstream timeout; ``connect_timeout_s`` the connect part.
+    * ``retry_after_s``: how long an engine marked down is skipped before it is tried again.
+    """
+
+    engines: tuple[EngineSpec, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv-aware"
+    tokenizer: str | None = None
+    blocks_per_chunk: int | None = None
+    load_tokens: float = 64.0
+    scrape_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    retry_after_s: float = 2.0
+    replay_timeout_s: float = 5.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for an unusable configuration."""
+        if not self.engines:
+            raise ConfigError("no engines: give --engine NAME=HTTP_URL,EVENTS[,REPLAY] or --config")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"engine names must be unique: {names}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}: one of {', '.join(POLICIES)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} out of range")
+        if self.load_tokens < 0 or self.scrape_interval_s <= 0 or self.retry_after_s < 0:
+            raise ConfigError("load_tokens, retry_after_s must be >= 0; scrape_interval_s > 0")
+        if self.blocks_per_chunk is not None and self.blocks_per_chunk < 1:
+            raise ConfigError("blocks_per_chunk must be >= 1")
+
+
+_OPTION_TYPES: dict[str, type] = {
+    "host": str,
+    "port": int,
+    "policy": str,
+    "tokenizer": str,
+    "blocks_per_chunk": int,
+    "load_tokens": float,
+    "scrape_interval_s": float,
+    "request_timeout_s": float,
+    "connect_timeout_s": float,
+    "retry_after_s": float,
+    "replay_timeout_s": float,
+    "seed": int,
+}
+
+_ENV = {
+    "KVEVENTS_SERVE_HOST": "host",
+    "KVEVENTS_SERVE_PORT": "port",
+    "KVEVENTS_SERVE_POLICY": "policy",
+    "KVEVENTS_SERVE_TOKENIZER": "tokenizer",
+    "KVEVENTS_SERVE_LOAD_TOKENS": "load_tokens",
+}
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError as exc:
+            raise ConfigError("reading a TOML config on Python 3.10 needs 'tomli'") from exc
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path!r}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path!r} is not valid TOML: {exc}") from exc
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    kind = _OPTION_TYPES[key]
+    try:
+        if kind is int and isinstance(value, bool):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key} = {value!r} is not a {kind.__name__}") from None
+
+
+def _engine_from_table(t: Any, where: str) -> EngineSpec:
+    if not isinstance(t, Mapping):
+        raise ConfigError(f"{where}: each [[engine]] must be a table")
+    unknown = set(t) - {"name", "url", "events", "replay", "dp", "topic"}
+    if unknown or not {"name", "url", "events"} <= set(t):
+        raise ConfigError(
+            f"{where}: [[engine]] needs name, url, events (optional replay, dp, topic); "
+            f"unknown keys: {sorted(unknown)}"
+        )
+    try:
+        return EngineSpec(
+            str(t["name"]),
+            str(t["url"]),
+            str(t["events"]),
+            str(t["replay"]) if t.get("replay") else None,
+            int(t.get("dp", 1)),
+            str(t.get("topic", "")),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where}: bad [[engine]] entry {dict(t)!r}: {exc}") from None
+
+
+def load_config(
+    *,
+    config_file: str | None = None,
+    engines: Sequence[str] = (),
+    options: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """Build a :class:`ServeConfig`: the TOML file first, then the environment, then the
+    command line (``engines`` specs and ``options`` whose value is not None) on top.
+
+    Engines from the command line or ``KVEVENTS_SERVE_ENGINES`` replace the file's.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    specs: list[EngineSpec] = []
+    if config_file:
+        data = _read_toml(config_file)
+        top = dict(data.get("serve", {}))
+        top.update({k: v for k, v in data.items() if k not in ("serve", "engine")})
+        for key, value in top.items():
+            if key not in _OPTION_TYPES:
+                raise ConfigError(f"{config_file}: unknown option {key!r}")
+            values[key] = _coerce(key, value, config_file)
+        tables = data.get("engine", [])
+        if not isinstance(tables, list):
+            raise ConfigError(f"{config_file}: engines are [[engine]] tables")
+        specs = [_engine_from_table(t, config_file) for t in tables]
+    for var, key in _ENV.items():
+        if env.get(var):
+            values[key] = _coerce(key, env[var], var)
+    if env.get("KVEVENTS_SERVE_ENGINES"):
+        specs = [parse_engine_spec(s) for s in env["KVEVENTS_SERVE_ENGINES"].split()]
+    if engines:
+        specs = [parse_engine_spec(s) for s in engines]
+    for key, value in (options or {}).items():
+        if value is not None:
+            if key not in _OPTION_TYPES:
+                raise ConfigError(f"unknown option {key!r}")
+            values[key] = _coerce(key, value, "command line")
+    config = replace(ServeConfig(), engines=tuple(specs), **values)
+    config.validate()
+    return config

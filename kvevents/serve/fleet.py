@@ -1,0 +1,389 @@
+"""The service's view of its engines: event consumption, index, readiness, health.
+
+A :class:`Fleet` owns one consumer thread: a :class:`~kvevents.consumers.Subscriber` over
+every engine rank's publisher (catching each up from the start of its replay buffer)
+feeding a :class:`~kvevents.consumers.BlockIndex` that the router reads under
+:attr:`Fleet.lock`.  Anomalies that invalidate a worker (publisher restart, unrecoverable
+loss) reset it in the index.
+
+Readiness (``/readyz``): a rank is ready once its SUB socket is connected (a ZMQ socket
+monitor reports the connection) and, when it has a replay endpoint, once that endpoint
+has answered a replay (its end marker arrived).  A publisher that has published nothing
+answers with the end marker alone, so an idle engine counts as caught up.  The service is
+ready once every rank has been ready; an engine lost later is marked down (and shown in
+``/workers``) without making the service unready.
+
+With the ``kv-aware-gpu`` policy the index is fed GPU events only (CPU and storage
+events are dropped, as routers that ignore events without tokens do), so that policy
+neither sees nor predicts the CPU tier.  With a ``capture`` writer, every batch received
+is also written to it, as ``kvevents record`` would.
+
+Health: an engine whose HTTP front refuses connections is marked down
+(:meth:`Fleet.mark_down`) and skipped until :meth:`Fleet.mark_up` (the metrics scrape
+reaching it again).
+
+Nothing here needs the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvevents.capture import CaptureWriter
+from kvevents.consumers import (
+    Anomaly,
+    BlockIndex,
+    ReceivedBatch,
+    SourceMessage,
+    Subscriber,
+    ZmqSource,
+)
+from kvevents.consumers.sources import REPLAY_END
+from kvevents.events import MEDIUM_GPU, KVEventBatch
+from kvevents.serve.config import EngineSpec, ServeConfig
+
+__all__ = ["Fleet", "RankState"]
+
+logger = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class RankState:
+    """What the service knows of one engine rank (one publisher)."""
+
+    engine: EngineSpec
+    rank: int
+    source: str
+    """The subscriber's source name for this rank (the worker id is ``(source, rank)``)."""
+    events_endpoint: str
+    replay_endpoint: str | None
+    connected: bool = False
+    replay_answered: bool = False
+    last_seq: int = -1
+    batches: int = 0
+    events: int = 0
+    last_event_ts: float | None = None
+    anomalies: Counter[str] = field(default_factory=Counter)
+    recent_anomalies: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    _times: deque[tuple[float, int]] = field(default_factory=deque)
+
+    was_ready: bool = False
+    """Latched: the rank has been ready once (the service's start-up catch-up is done)."""
+
+    @property
+    def ready(self) -> bool:
+        """Connected now, and caught up (replay answered) if it has a replay endpoint."""
+        ok = self.connected and (self.replay_endpoint is None or self.replay_answered)
+        if ok:
+            self.was_ready = True
+        return ok
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine.name}:{self.rank}"
+
+    def note_events(self, now: float, n: int) -> None:
+        self._times.append((now, n))
+        while self._times and self._times[0][0] < now - _RATE_WINDOW_S:
+            self._times.popleft()
+
+    def events_per_s(self, now: float) -> float:
+        while self._times and self._times[0][0] < now - _RATE_WINDOW_S:
+            self._times.popleft()
+        return sum(n for _, n in self._times) / _RATE_WINDOW_S
+
+
+_CONNECTED = "connected"  # source messages of subscribers that monitor their sockets
+_DISCONNECTED = "disconnected"
+
+
+class _WatchedSource:
+    """A :class:`ZmqSource` that tells its :class:`RankState` when the publisher is
+    connected and when a replay was answered (end marker).
+
+    A source that monitors its own SUB socket (and reports ``connected`` /
+    ``disconnected`` messages) is followed through those; otherwise a ZMQ socket
+    monitor is attached here.  Everything else is delegated to the wrapped source.
+    """
+
+    def __init__(self, inner: ZmqSource, state: RankState) -> None:
+        self.inner = inner
+        self.state = state
+        self.monitor: zmq.Socket[bytes] | None = None
+        if getattr(inner, "monitored", False):
+            return
+        sub = inner.sockets()[0]
+        try:
+            self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError:  # pragma: no cover - monitoring unsupported: assume connected
+            state.connected = True
+            return
+        if inner.bound_endpoint is None:
+            # The SUB connected before the monitor existed, and on loopback the connection
+            # may already be up: connect again so the monitor sees it happen.  Nothing is
+            # lost: the subscriber catches every stream up by replay.
+            sub.disconnect(inner.endpoint)
+            sub.connect(inner.endpoint)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def can_replay(self) -> bool:
+        return self.inner.can_replay
+
+    @property
+    def replay_inband(self) -> bool:
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.inner.exhausted
+
+    def sockets(self) -> Sequence[Any]:
+        return self.inner.sockets()
+
+    def receive(self, limit: int) -> list[SourceMessage]:
+        out = self.inner.receive(limit)
+        for msg in out:
+            if msg.kind == REPLAY_END:
+                self.state.replay_answered = True
+            elif msg.kind == _CONNECTED:
+                self.state.connected = True
+            elif msg.kind == _DISCONNECTED:
+                self.state.connected = False
+        return out
+
+    def request_replay(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.request_replay(*args, **kwargs)
+
+    def cancel_replay(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.cancel_replay(*args, **kwargs)
+
+    def poll_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        mon = self.monitor
+        if mon is None:
+            return
+        while True:
+            try:
+                evt = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # pragma: no cover - closed under us
+                return
+            if evt["event"] == zmq.EVENT_CONNECTED:
+                self.state.connected = True
+            elif evt["event"] == zmq.EVENT_DISCONNECTED:
+                self.state.connected = False
+
+    def close_monitor(self) -> None:
+        if self.monitor is not None:
+            socks = self.inner.sockets()
+            if socks:
+                try:
+                    socks[0].disable_monitor()
+                except zmq.ZMQError:  # pragma: no cover
+                    pass
+            self.monitor.close(0)
+            self.monitor = None
+
+    def close(self) -> None:
+        self.close_monitor()
+        self.inner.close()
+
+
+class Fleet:
+    """Engines, their ranks, the block index and the consumer thread feeding it."""
+
+    def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
+        self.config = config
+        self.capture = capture
+        self.gpu_only = config.policy == "kv-aware-gpu"
+        self.lock = threading.Lock()
+        self.index = BlockIndex(blocks_per_chunk=config.blocks_per_chunk)
+        self.ranks: list[RankState] = []
+        self._by_source: dict[str, RankState] = {}
+        self._sources: list[_WatchedSource] = []
+        self.down_until: dict[str, float] = {}
+        self.down_reason: dict[str, str] = {}
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        try:
+            for spec in config.engines:
+                for rank in range(spec.dp):
+                    events, replay = spec.rank_endpoints(rank)
+                    name = spec.name if rank == 0 else f"{spec.name}@dp{rank}"
+                    state = RankState(spec, rank, name, events, replay)
+                    inner = ZmqSource(events, spec.topic.encode(), replay, name=name, context=ctx)
+                    src = _WatchedSource(inner, state)
+                    self._sources.append(src)
+                    self.ranks.append(state)
+                    self._by_source[name] = state
+            # every stream is caught up from the start of its publisher's replay buffer
+            # (newer subscribers do it by default and call it catch_up)
+            params = inspect.signature(Subscriber.__init__).parameters
+            catch_up: dict[str, Any] = (
+                {"catch_up": True} if "catch_up" in params else {"replay_from_start": True}
+            )
+            self.subscriber = Subscriber(
+                list(self._sources),  # type: ignore[arg-type,unused-ignore]
+                replay_timeout=config.replay_timeout_s,
+                **catch_up,
+            )
+        except BaseException:
+            for s in self._sources:
+                s.close()
+            raise
+        self.anomalies: Counter[str] = Counter()
+        self._wids: dict[str, tuple[str, int]] = {}
+        self.unknown_batches = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="kvevents-serve-consumer", daemon=True
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for s in self._sources:
+            s.close_monitor()
+        self.subscriber.close()
+        for s in self._sources:
+            s.close()
+
+    # --- lookups -----------------------------------------------------------------------
+    def rank_for(self, source: str, dp_rank: int) -> RankState | None:
+        """The rank a worker ``(source, dp_rank)`` belongs to."""
+        state = self._by_source.get(source)
+        if state is None:
+            # a source name decorated by the subscriber (a topic suffix): longest prefix
+            best = None
+            for name, st in self._by_source.items():
+                if source.startswith(name) and (best is None or len(name) > len(best.source)):
+                    best = st
+            state = best
+        if state is None:
+            return None
+        if dp_rank != state.rank and state.rank == 0 and state.engine.dp == 1:
+            return state  # one publisher for several ranks would name them in batches
+        return state
+
+    def worker_id(self, state: RankState) -> tuple[str, int]:
+        """The index's worker id of ``state``: as its batches named it (the subscriber
+        may decorate the source name, with a topic for instance), else ``(source, rank)``."""
+        return self._wids.get(state.label, (state.source, state.rank))
+
+    def is_up(self, engine: str, now: float | None = None) -> bool:
+        until = self.down_until.get(engine)
+        return until is None or (now if now is not None else time.monotonic()) >= until
+
+    def mark_down(self, engine: str, reason: str) -> None:
+        if engine not in self.down_until:
+            logger.warning("engine %s marked down: %s", engine, reason)
+        self.down_until[engine] = time.monotonic() + self.config.retry_after_s
+        self.down_reason[engine] = reason
+
+    def mark_up(self, engine: str) -> None:
+        if self.down_until.pop(engine, None) is not None:
+            logger.warning("engine %s is back", engine)
+        self.down_reason.pop(engine, None)
+
+    def not_ready(self) -> list[str]:
+        """Ranks that have never been ready, as ``NAME:RANK (why)``.  A rank that was ready
+        and later lost its engine is reported by :meth:`is_up` and ``/workers``, not here:
+        the service goes on routing to the others."""
+        out = []
+        for st in self.ranks:
+            if not st.ready and not st.was_ready:
+                why = "events stream not connected" if not st.connected else "replay not answered"
+                out.append(f"{st.label} ({why})")
+        return out
+
+    # --- the consumer thread -----------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # pragma: no cover - surfaced in /healthz and /workers
+            logger.exception("the consumer thread failed")
+            self.error = exc
+
+    def _loop(self) -> None:
+        sub = self.subscriber
+        next_monitor = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_monitor:
+                for s in self._sources:
+                    s.poll_monitor()
+                # often while a stream is still connecting, then a few times a second
+                settled = all(st.connected for st in self.ranks)
+                next_monitor = now + (0.25 if settled else 0.02)
+            item = sub.receive(timeout=0.05)
+            if item is None:
+                continue
+            if isinstance(item, ReceivedBatch):
+                st = self.rank_for(item.source, item.dp_rank)
+                if st is None:
+                    self.unknown_batches += 1
+                if self.capture is not None:
+                    self.capture.write(
+                        item.source,
+                        item.topic,
+                        item.seq,
+                        item.payload,
+                        recv_ts=item.recv_ts,
+                        replayed=item.replayed,
+                    )
+                batch = _gpu_events(item.batch) if self.gpu_only else item.batch
+                with self.lock:
+                    self.index.apply(item.source, item.dp_rank, batch)
+                if st is not None:
+                    if st.batches == 0:
+                        self._wids[st.label] = (item.source, item.dp_rank)
+                    st.batches += 1
+                    st.events += len(item.batch.events)
+                    st.last_seq = max(st.last_seq, item.seq)
+                    st.last_event_ts = time.time()
+                    st.note_events(time.monotonic(), len(item.batch.events))
+            elif isinstance(item, Anomaly):
+                self.anomalies[item.kind] += 1
+                if item.needs_reset and item.dp_rank is not None:
+                    with self.lock:
+                        self.index.reset_worker((item.source, item.dp_rank))
+                st = self.rank_for(item.source, item.dp_rank or 0)
+                if st is not None:
+                    st.anomalies[item.kind] += 1
+                    st.recent_anomalies.append(
+                        f"{time.strftime('%H:%M:%S')} {item.kind}: {item.detail}"[:200]
+                    )
+
+
+def _gpu_events(batch: KVEventBatch) -> KVEventBatch:
+    """The batch without its CPU/STORAGE events (``medium`` None is GPU, vLLM <= 0.10):
+    what a router that drops events without tokens sees (the ``kv-aware-gpu`` policy)."""
+    events = [e for e in batch.events if getattr(e, "medium", None) in (None, MEDIUM_GPU)]
+    if len(events) == len(batch.events):
+        return batch
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
