@@ -104,17 +104,84 @@ def _print_anomaly(anomaly: Any, stream: IO[str]) -> None:
 
 
 # --- record ------------------------------------------------------------------------------
+class _RawTap:
+    """A source wrapper for ``record``: it keeps the raw messages of the source's latest
+    reads, so that a frame the subscriber cannot decode is still written to the capture
+    byte for byte (flagged undecodable) instead of being dropped.  The subscriber
+    processes what a source returns before reading it again, and ``record`` drains every
+    item in between, so the last two reads always hold the frame an anomaly names."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._recent: list[list[Any]] = [[], []]
+
+    @property
+    def name(self) -> str:
+        return str(self.inner.name)
+
+    @property
+    def can_replay(self) -> bool:
+        return bool(self.inner.can_replay)
+
+    @property
+    def replay_inband(self) -> bool:
+        return bool(self.inner.replay_inband)
+
+    @property
+    def exhausted(self) -> bool:
+        return bool(self.inner.exhausted)
+
+    def sockets(self) -> Sequence[Any]:
+        return self.inner.sockets()
+
+    def receive(self, limit: int) -> list[Any]:
+        msgs: list[Any] = self.inner.receive(limit)
+        if msgs:
+            self._recent = [self._recent[1], msgs]
+        return msgs
+
+    def request_replay(self, start: int) -> None:
+        self.inner.request_replay(start)
+
+    def cancel_replay(self) -> None:
+        self.inner.cancel_replay()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take_undecodable(self, origin: str, seq: int, replayed: bool, decoder: Any) -> Any:
+        """The raw message of seq ``seq`` from ``origin`` that does not decode, or None."""
+        from kvevents.consumers.sources import LIVE, REPLAY
+        from kvevents.errors import DecodeError
+
+        kind = REPLAY if replayed else LIVE
+        for batch in self._recent:
+            for i, msg in enumerate(batch):
+                if msg.kind != kind or msg.seq != seq or (msg.origin or self.name) != origin:
+                    continue
+                try:
+                    decoder.decode(msg.payload)
+                except DecodeError:
+                    del batch[i]
+                    return msg
+        return None
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
-    from kvevents.capture import CaptureWriter
-    from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
+    from kvevents.capture import FLAG_UNDECODABLE, CaptureWriter
+    from kvevents.codec import BatchDecoder
+    from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber, ZmqSource
+    from kvevents.consumers.subscriber import UNDECODABLE
     from kvevents.endpoints import is_wildcard_endpoint, require_connect
+    from kvevents.jetstream.cli import is_nats_url, open_jetstream_subscriber
 
     replay = args.replay_endpoint or None
     if replay is not None and len(replay) != len(args.endpoints):
         raise ConfigError(
             f"give one --replay-endpoint per endpoint ({len(args.endpoints)}), got {len(replay)}"
         )
-    for endpoint in args.endpoints:
+    from_jetstream = any(is_nats_url(e) for e in args.endpoints)
+    for endpoint in [] if from_jetstream else args.endpoints:
         if not args.listen:
             require_connect(
                 endpoint,
@@ -129,6 +196,10 @@ def _cmd_record(args: argparse.Namespace) -> int:
             )
     for endpoint in replay or []:
         require_connect(endpoint, "kvevents record --replay-endpoint")
+    if not args.append and not args.force and os.path.exists(args.output):
+        raise ConfigError(
+            f"{args.output} already exists; use --append to continue it or --force to replace it"
+        )
     meta = {
         "endpoints": list(args.endpoints),
         "replay_endpoints": list(replay or []),
@@ -137,19 +208,28 @@ def _cmd_record(args: argparse.Namespace) -> int:
     }
     stop = threading.Event()
     status = _StatusLine(sys.stderr, enabled=not args.quiet)
-    batches = events = 0
+    batches = events = undecodable = 0
     gaps: Counter[str] = Counter()
     start = time.monotonic()
     deadline = start + args.duration if args.duration is not None else None
-    sub = Subscriber(
-        args.endpoints,
-        topic=args.topic.encode("utf-8"),
-        replay_endpoints=replay,
-        replay_from_start=args.from_start,
-    )
+    topic = args.topic.encode("utf-8")
+    taps: dict[str, _RawTap] = {}
+    sub: Any
+    if from_jetstream:
+        sub = open_jetstream_subscriber(list(args.endpoints), args.stream)
+        meta["stream"] = args.stream
+    else:
+        for i, ep in enumerate(args.endpoints):
+            tap = _RawTap(ZmqSource(ep, topic, replay[i] if replay else None))
+            taps[tap.name] = tap
+        sub = Subscriber(list(taps.values()), replay_from_start=args.from_start)
+    decoder = BatchDecoder()
+    written = 0
     try:
         with (
-            CaptureWriter(args.output, meta=meta, append=args.append) as writer,
+            CaptureWriter(
+                args.output, meta=meta, append=args.append, overwrite=args.force
+            ) as writer,
             _stop_on_signals(stop),
         ):
             draining = False
@@ -179,6 +259,28 @@ def _cmd_record(args: argparse.Namespace) -> int:
                     events += len(item.batch.events)
                 elif isinstance(item, Anomaly):
                     gaps[item.kind] += 1
+                    if item.kind == UNDECODABLE and item.first_seq is not None:
+                        raw = None
+                        for tap in taps.values():
+                            raw = tap.take_undecodable(
+                                item.source,
+                                item.first_seq,
+                                item.detail.startswith("replayed "),
+                                decoder,
+                            )
+                            if raw is not None:
+                                break
+                        if raw is not None:
+                            writer.write(
+                                item.source,
+                                raw.topic,
+                                raw.seq,
+                                raw.payload,
+                                recv_ts=raw.recv_ts,
+                                replayed=raw.kind != "live" or raw.replayed,
+                                flags=FLAG_UNDECODABLE,
+                            )
+                            undecodable += 1
                     if not args.quiet:
                         status.done()
                         _print_anomaly(item, sys.stderr)
@@ -194,9 +296,11 @@ def _cmd_record(args: argparse.Namespace) -> int:
         status.done()
     elapsed = time.monotonic() - start
     anomalies = ", ".join(f"{k} x{n}" for k, n in sorted(gaps.items())) or "none"
+    kept = f", {undecodable} undecodable frame(s) kept" if undecodable else ""
     print(
-        f"recorded {written} batches ({events} events) from {len(args.endpoints)} endpoint(s) "
-        f"in {elapsed:.1f} s to {args.output}; anomalies: {anomalies}",
+        f"recorded {written} records ({batches} batches, {events} events{kept}) from "
+        f"{len(args.endpoints)} endpoint(s) in {elapsed:.1f} s to {args.output}; "
+        f"anomalies: {anomalies}",
         file=sys.stderr,
     )
     return 0
@@ -225,7 +329,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             if flt.active and summary.events == 0:
                 values.check(flt)  # a value the capture does not hold: say which it holds
             if args.json:
-                print(json.dumps(summary.to_json(), default=_json_default))
+                out = summary.to_json()
+                out["skipped_ranges"] = _skipped_json(reader.skipped)
+                print(json.dumps(out, default=_json_default))
             else:
                 print(summary.to_text())
             shown = summary.events
@@ -245,11 +351,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 print(
                     f"undecodable frame seq={rec.seq} from {rec.source}: {reason}", file=sys.stderr
                 )
-        if reader.tail_error:
-            print(
-                f"warning: {args.file}: {reader.tail_error}; the records before it were read",
-                file=sys.stderr,
-            )
+        _warn_skipped(args.file, reader.skipped, "read")
     if flt.active and shown == 0:
         values.check(flt)
         print("no event matched all the filters together", file=sys.stderr)
@@ -309,12 +411,38 @@ def _with_byte_progress(reader: Any, path: str, desc: str) -> Iterator[Any]:
         bar.close()
 
 
+def _warn_skipped(path: str, skipped: Sequence[Any], verb: str) -> None:
+    """One warning line per damaged byte range a reader skipped."""
+    for rng in skipped:
+        print(
+            f"warning: {path}: skipped bytes {rng.start}..{rng.end} ({rng.reason}); "
+            f"the records around it were {verb}",
+            file=sys.stderr,
+        )
+
+
+def _skipped_json(skipped: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"start": r.start, "end": r.end, "reason": r.reason} for r in skipped]
+
+
 # --- replay ------------------------------------------------------------------------------
 def _cmd_replay(args: argparse.Namespace) -> int:
     if args.into_index == bool(args.publish):
         raise ConfigError("replay needs exactly one of --into-index or --publish ENDPOINT")
     if args.into_index:
         return _replay_into_index(args)
+    from kvevents.jetstream.cli import is_nats_url, publish_capture
+
+    if any(is_nats_url(t) for t in args.publish):
+        if len(args.publish) != 1:
+            raise ConfigError("--publish nats://URL takes one URL (the stream holds every engine)")
+        appended, dups = publish_capture(args.file, args.publish[0], args.stream, args.source)
+        print(
+            f"appended {appended} batches to {args.stream} at {args.publish[0]} "
+            f"({dups} already stored)",
+            file=sys.stderr,
+        )
+        return 0
     return _replay_publish(args)
 
 
@@ -352,8 +480,11 @@ def _replay_into_index(args: argparse.Namespace) -> int:
         bar.close()
         sub.close()
     summary = index.summary()
+    _warn_skipped(args.file, source.skipped, "replayed")
     if args.json:
-        print(json.dumps(_index_json(index, summary, anomalies, source.tail_error)))
+        out = _index_json(index, summary, anomalies, source.tail_error)
+        out["skipped_ranges"] = _skipped_json(source.skipped)
+        print(json.dumps(out))
         return 0
     print(_index_text(index, summary, sub.stats))
     if anomalies:
@@ -362,11 +493,6 @@ def _replay_into_index(args: argparse.Namespace) -> int:
             _print_anomaly(a, sys.stdout)
     else:
         print("anomalies: none")
-    if source.tail_error:
-        print(
-            f"warning: {args.file}: {source.tail_error}; the records before it were replayed",
-            file=sys.stderr,
-        )
     return 0
 
 
@@ -476,7 +602,7 @@ def _replay_publish(args: argparse.Namespace) -> int:
         require_bind(endpoint, "kvevents replay --publish")
     with CaptureReader(args.file) as reader:
         records = list(reader)
-        tail_error = reader.tail_error
+        skipped_ranges = list(reader.skipped)
     if args.source is not None:
         recorded = sorted({r.source for r in records})
         records = [r for r in records if r.source == args.source]
@@ -585,10 +711,7 @@ def _replay_publish(args: argparse.Namespace) -> int:
         + (f"; skipped {skipped} ({reasons})" if skipped else ""),
         file=sys.stderr,
     )
-    if tail_error:
-        print(
-            f"warning: {args.file}: {tail_error}; the records before it were sent", file=sys.stderr
-        )
+    _warn_skipped(args.file, skipped_ranges, "sent")
     return 0
 
 
@@ -727,6 +850,14 @@ def _write_plot(write_plot: Any, report: Any, path: str) -> tuple[str | None, st
         return "not written", f"--plot {path}: the plot was not written: {exc}"
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from kvevents.jetstream.cli import run_relay
+
+    stop = threading.Event()
+    with _stop_on_signals(stop):
+        return run_relay(args, stop)
+
+
 # --- parser ------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (``kvevents inspect: error: ...``) instead of the
@@ -750,7 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
         "record",
         help="subscribe to publishers and write a capture file",
         description="Subscribe to one or more publishers (gaps are repaired by replay when a "
-        "replay endpoint is given) and write every batch to a capture file.  Stops on "
+        "replay endpoint is given) and write every batch to a capture file (a frame that "
+        "does not decode is kept too, flagged).  Stops on "
         "Ctrl-C / SIGTERM, after --duration seconds or --count batches; the file is "
         "always left complete.",
     )
@@ -771,7 +903,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--append",
         action="store_true",
-        help="continue an existing capture (a damaged tail is cut off) instead of replacing it",
+        help="continue an existing capture at its end (intact records are never cut; only "
+        "an incomplete last record is)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUTPUT if it exists (without --force or --append, an existing file "
+        "is refused and left untouched)",
     )
     p.add_argument(
         "--replay-endpoint",
@@ -780,6 +919,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay (ROUTER) endpoint, once per ENDPOINT in the same order",
     )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to read when ENDPOINT is nats://HOST:PORT (default KV_EVENTS)",
+    )
     p.add_argument(
         "--from-start",
         action="store_true",
@@ -838,6 +982,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay ROUTER endpoint, once per --publish",
     )
     p.add_argument("--source", help="republish only this recorded publisher")
+    p.add_argument(
+        "--stream",
+        default="KV_EVENTS",
+        help="JetStream stream to append to when --publish is nats://HOST:PORT",
+    )
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--speed", type=float, metavar="X", help="X times the recorded pace")
     pace.add_argument("--max-rate", action="store_true", help="as fast as possible")
@@ -935,6 +1084,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvevents.serve.cli import add_parsers as _add_serve_parsers
 
     _add_serve_parsers(sub)
+
+    from kvevents.jetstream.cli import add_relay_parser
+
+    add_relay_parser(sub).set_defaults(func=_cmd_relay)
     return parser
 
 

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents import CaptureError, CaptureReader, CaptureWriter, read_capture
+from kvevents import (
+    CAPTURE_FORMAT_VERSION,
+    CaptureError,
+    CaptureReader,
+    CaptureWriter,
+    read_capture,
+)
 
 
 def _write(path: Path, n: int) -> list[bytes]:
@@ -24,7 +30,7 @@ def test_round_trip_is_byte_exact(tmp_path: Path) -> None:
     payloads = _write(path, 5)
     cap = read_capture(path)
     assert cap.tail_error is None
-    assert cap.meta["note"] == "t" and cap.meta["format_version"] == 1
+    assert cap.meta["note"] == "t" and cap.meta["format_version"] == CAPTURE_FORMAT_VERSION == 2
     assert [r.payload for r in cap.records] == payloads
     assert [r.seq for r in cap.records] == [0, 1, 2, 3, 4]
     assert [r.replayed for r in cap.records] == [False, False, True, False, False]

@@ -31,8 +31,12 @@ Model
   ``kv_cache_spec_sliding_window``) for the router's hybrid lookup, and their block size
   is the largest GPU block size seen: a smaller store is a partial tail, kept but never
   matched.
-* Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries; beyond
-  that the least recently stored entries of the biggest worker are evicted and counted.
+* Memory is bounded: at most ``max_blocks`` resident (worker, group, hash) entries (see
+  :meth:`BlockIndex._evict` for the order: oldest first, leaves before their parents,
+  decided by the stream alone), at most ``gpu_metadata_retention`` metadata records no
+  tier holds, and at most ``max_pending`` waiting placeholders.  The bookkeeping the
+  eviction order needs (resident children per entry, the eviction queue: about 60 bytes
+  per resident entry) starts when more than half of ``max_blocks`` is first resident.
 
 Caveat: stores are refcounted as DESIGN §4 asks, so a GPU re-announcement of prefix hits
 (``kv_cache_report_mode="full"``, C§4.3) followed by the block's single removal leaves
@@ -47,9 +51,10 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Union
 
 from xxhash import xxh3_64_intdigest as xxh
@@ -123,9 +128,10 @@ _IGNORED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
 # hybrid lookup judges from their own blocks.
 _KEYED_KINDS = PREFIX_INDEXABLE_SPEC_KINDS | _SW_KINDS | _LOCAL_KINDS
 _PLACEHOLDER_TIER: dict[str | None, int] = {MEDIUM_CPU: 1, MEDIUM_STORAGE: 2, **_MEDIUM_ALIASES}
+_NO_PENDING: dict[Any, list[int]] = {}  # the pending table seen by a worker without entries
 
 # A metadata record is, for memory, usually one packed int (about 52 bytes):
-#   bits 0-63 content key + 2**63, bit 64 "has a content key",
+#   bits 0-63 content key (unsigned), bit 64 "has a content key",
 #   bits 65-84 end position in blocks + 1 (0: unknown), bits 85-104 block size,
 #   bits 105-169 parent hash + 1 (0: none), bits 170+ the GPU refcount.
 # Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
@@ -348,8 +354,10 @@ class _Group:
     __slots__ = (
         "bit",
         "block_size",
+        "deferred",
         "group",
         "indexable_kind",
+        "kids",
         "kind",
         "meta",
         "refs",
@@ -370,6 +378,11 @@ class _Group:
         # CPU and STORAGE refcounts per chunk-tail hash; index 0 stays empty (the GPU
         # refcount lives in the metadata record).
         self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
+        # For the memory cap: how many resident entries of this group name each hash as
+        # their parent (absent: none), and the resident entries the eviction queue passed
+        # over because they had resident children (evicted once they have none).
+        self.kids: dict[Hash, int] = {}
+        self.deferred: dict[Hash, None] = {}
 
 
 class _Worker:
@@ -499,10 +512,13 @@ class BlockIndex:
         Tokens per content-key unit.  Engine block sizes must be multiples of it for their
         blocks to take part in matching (others are joined but skipped, counted).
     max_blocks:
-        Cap on resident (worker, group, hash) entries; LRU eviction beyond it.
+        Cap on resident (worker, group, hash) entries: ``len(index)`` never exceeds it
+        after an event is applied.  Beyond it entries are evicted oldest first, leaves
+        before their parents (see :meth:`_evict`), and counted.
     gpu_metadata_retention:
-        How many non-resident metadata records (GPU removed, CPU not (yet) stored) are
-        kept for late CPU stores and as parents of later stores.
+        How many non-resident metadata records (GPU removed, CPU not (yet) stored, the
+        inner blocks of a self-describing chunk) are kept for late CPU stores and as
+        parents of later stores; the oldest beyond it are dropped and counted.
     max_pending:
         Cap on placeholder chunks waiting for their GPU store.
     keep_token_ids:
@@ -555,6 +571,22 @@ class BlockIndex:
         self._retired: OrderedDict[tuple[WorkerId, int, Hash], None] = OrderedDict()
         self._resident = 0
         self._layout: _Layout | None = None
+        # placeholder entries waiting, per worker (a worker without any skips the table)
+        self._npending: dict[WorkerId, int] = {}
+        # The eviction queue: (group, hash) of each entry in the order it became resident
+        # (a GPU store's blocks leaf first), as two parallel lists read from _qhead; stale
+        # items are skipped when reached.  _ready: deferred entries whose last resident
+        # child went away (evicted before the queue).
+        self._qgroups: list[_Group] = []
+        self._qhashes: list[Hash] = []
+        self._qhead = 0
+        self._qlimit = 1 << 16
+        self._ready: deque[tuple[_Group, Hash]] = deque()
+        self._storing = False  # a GPU store is being applied (its blocks are not queued yet)
+        # The eviction bookkeeping (children counts, queue) starts once more than half the
+        # cap is resident (_watch_hit), so an index far from its cap pays nothing for it.
+        self._tracking = False
+        self._watch = max_blocks // 2
 
     # ------------------------------------------------------------------ feeding
 
@@ -622,6 +654,20 @@ class BlockIndex:
                                 if h in r[1] or h in r[2]:
                                     continue
                                 self._resident -= 1
+                                if gs.deferred:
+                                    gs.deferred.pop(h, None)
+                                p = (m >> 105) & _M65
+                                if p and gs.kids:  # its parent has one resident child fewer
+                                    kids = gs.kids
+                                    p -= 1
+                                    c = kids.get(p)
+                                    if c is not None:
+                                        if c > 1:
+                                            kids[p] = c - 1
+                                        else:
+                                            del kids[p]
+                                            if p in gs.deferred:
+                                                self._ready.append((gs, p))
                                 retired[(wid, group, h)] = None
                                 if len(retired) > retention:
                                     self._trim_retired()
@@ -681,8 +727,10 @@ class BlockIndex:
                                 self._resident += 1
                                 if retired:
                                     retired.pop((wid, group, h), None)
-                                if self._resident > self.max_blocks:
-                                    self._evict()
+                                if self._tracking:
+                                    self._enter(gs, h, m)
+                                if self._resident > self._watch:
+                                    self._watch_hit()
                                 continue
                 if gpu_removed:
                     stats.removed[MEDIUM_GPU] += gpu_removed
@@ -771,6 +819,25 @@ class BlockIndex:
         """How many workers :meth:`workers` would list."""
         return len(self._workers)
 
+    def snapshot(self) -> bytes:
+        """This index's whole state as bytes (versioned msgpack): :meth:`restore` gives
+        an index that answers and applies exactly as this one would from here on."""
+        from kvevents.consumers.snapshot import snapshot_index
+
+        return snapshot_index(self)
+
+    @classmethod
+    def restore(cls, data: bytes) -> BlockIndex:
+        """An index from :meth:`snapshot` bytes; :class:`ConfigError` if they are not a
+        snapshot this kvevents can read."""
+        from kvevents.consumers.snapshot import restore_index
+
+        index = restore_index(data)
+        if not isinstance(index, cls):
+            raise ConfigError(f"the snapshot holds a {type(index).__name__}, not a BlockIndex")
+        index._layout = None  # derived from the rest; rebuilt by the next query
+        return index
+
     def reset_worker(self, worker: WorkerId) -> None:
         """Forget everything a worker holds, metadata included (publisher restart, loss)."""
         w = self._workers.get(worker)
@@ -818,6 +885,8 @@ class BlockIndex:
                 held.update(refs)
                 refs.clear()
             self._resident -= len(held)
+            gs.kids.clear()  # nothing of the group is resident any more
+            gs.deferred.clear()
             if keep_metadata:
                 for h in held:
                     if h in gs.meta:
@@ -826,7 +895,7 @@ class BlockIndex:
                 for h in gs.meta:
                     self._retired.pop((wid, gs.group, h), None)
                 gs.meta.clear()
-        if self._pending:
+        if self._npending.pop(wid, 0):
             dropped = [k for k in self._pending if k[0] == wid]
             for k in dropped:
                 counts = self._pending.pop(k)
@@ -916,7 +985,8 @@ class BlockIndex:
                     pk = None
             if pend is not None:
                 pend += off
-        pending = self._pending
+        pending = self._pending if w.wid in self._npending else _NO_PENDING
+        self._storing = tier == 0  # (until _queue_store: see _evict)
         first = 0
         if (
             tier == 0
@@ -953,8 +1023,11 @@ class BlockIndex:
             end_field = ((pend // size + 1) << 65) if pend is not None else 0
             parent_field = ((parent + 1) << 105) if parent is not None else 0
             resident = self._resident
-            max_blocks = self.max_blocks
+            watch = self._watch
+            tracking = self._tracking
             setdefault = meta.setdefault
+            kids = gs.kids
+            kids_get = kids.get
             try:
                 for h in hashes if tbuf is not None else ():
                     if type(h) is not int or not 0 <= h <= _M64:
@@ -993,10 +1066,14 @@ class BlockIndex:
                         stats.skipped["unknown_parent"] += 1
                     if h not in r1 and h not in r2:
                         resident += 1
-                        if resident > max_blocks:
+                        if tracking and parent is not None:
+                            kids[parent] = kids_get(parent, 0) + 1
+                        if resident > watch:
                             self._resident = resident
-                            self._evict()
+                            self._watch_hit()
                             resident = self._resident
+                            watch = self._watch
+                            tracking = True
                     pk = k
                     parent_field = (h + 1) << 105
                     parent = h
@@ -1004,6 +1081,7 @@ class BlockIndex:
             finally:
                 self._resident = resident
             if first == n:
+                self._queue_store(gs, hashes)
                 return  # (index_keys held: nothing to count as skipped)
             if first:
                 pend = None if pend is None else pend + first * size
@@ -1056,8 +1134,10 @@ class BlockIndex:
                 pk, pend = _chain(m), _end_tokens(m)
             parent = h
             self._ref(w, gs, tier, h, ck)
-        if tier == 0 and not index_keys and not gs.indexable_kind:
-            stats.skipped["kind:" + (gs.kind or "none")] += n
+        if tier == 0:
+            self._queue_store(gs, hashes)
+            if not index_keys and not gs.indexable_kind:
+                stats.skipped["kind:" + (gs.kind or "none")] += n
 
     def _store_self_describing(self, w: _Worker, ev: BlockStored, tier: int) -> None:
         gs = w.groups.get(ev.group_idx or 0)
@@ -1072,7 +1152,13 @@ class BlockIndex:
         if not gs.block_size:
             gs.block_size = ev.block_size
             self._layout = None
-        tail = ev.block_hashes[-1]
+        hashes = ev.block_hashes
+        tail = hashes[-1]
+        for h in hashes[:-1]:
+            # the chunk's other blocks keep their metadata as retained records (bounded
+            # by gpu_metadata_retention) unless a tier holds them
+            if h in gs.meta and not self._held(gs, h):
+                self._retire(w.wid, gs, h)
         m = gs.meta.get(tail)
         if m is None:  # pragma: no cover - bad input already counted
             return
@@ -1108,9 +1194,11 @@ class BlockIndex:
         p = self._pending.get(key)
         if p is None:
             p = self._pending[key] = [0, 0, 0]
+            self._npending[wid] = self._npending.get(wid, 0) + 1
         p[tier] += 1
         while len(self._pending) > self.max_pending:
-            _, old = self._pending.popitem(last=False)
+            (owid, _, _), old = self._pending.popitem(last=False)
+            self._unpend(owid)
             if not self.stats.unjoined["pending_overflow"]:
                 logger.warning(
                     "block index: more than %d CPU/STORAGE stores wait for their GPU store; "
@@ -1119,7 +1207,16 @@ class BlockIndex:
                 )
             self.stats.unjoined["pending_overflow"] += old[1] + old[2]
 
+    def _unpend(self, wid: WorkerId) -> None:
+        """One pending entry of ``wid`` fewer (it left the table)."""
+        n = self._npending.get(wid, 0) - 1
+        if n > 0:
+            self._npending[wid] = n
+        else:
+            self._npending.pop(wid, None)
+
     def _join_pending(self, w: _Worker, gs: _Group, h: Hash, m: _Meta, p: list[int]) -> None:
+        self._unpend(w.wid)  # (the caller took the entry out of the table)
         ck = _ck(m)
         for tier in (1, 2):
             for _ in range(p[tier]):
@@ -1227,8 +1324,16 @@ class BlockIndex:
         self._resident += 1
         if self._retired:
             self._retired.pop((w.wid, gs.group, h), None)
-        if self._resident > self.max_blocks:
-            self._evict()
+        if self._tracking:
+            m = gs.meta.get(h)
+            if tier:
+                self._enter(gs, h, m)
+            elif m is not None:  # (a GPU store: _store_described queues the event's blocks)
+                p = _parent(m)
+                if p is not None:
+                    gs.kids[p] = gs.kids.get(p, 0) + 1
+        if self._resident > self._watch:
+            self._watch_hit()
 
     def _remove(self, w: _Worker, group: int, hashes: Iterable[Hash], tier: int) -> None:
         gs = w.groups.get(group)
@@ -1285,6 +1390,11 @@ class BlockIndex:
                                     del marks[ck]
                     if not elsewhere:
                         self._resident -= 1
+                        if gs.deferred:
+                            gs.deferred.pop(h, None)
+                        p = (m >> 105) & _M65
+                        if p and gs.kids:
+                            self._unkid(gs, p - 1)
                         retired[(wid, group, h)] = None
                         if len(retired) > self.gpu_metadata_retention:
                             self._trim_retired()
@@ -1296,22 +1406,29 @@ class BlockIndex:
                     _unmark(marks, mck, bit)
             if not elsewhere:
                 self._resident -= 1
-                retired[(wid, group, h)] = None
-                if len(retired) > self.gpu_metadata_retention:
-                    self._trim_retired()
+                if gs.deferred:
+                    gs.deferred.pop(h, None)
+                if m is not None:
+                    mp = _parent(m)
+                    if mp is not None:
+                        self._unkid(gs, mp)
+                    retired[(wid, group, h)] = None
+                    if len(retired) > self.gpu_metadata_retention:
+                        self._trim_retired()
         if removed:
             self.stats.removed[TIERS[tier]] += removed
 
     def _remove_unknown(
         self, w: _Worker, gs: _Group | None, group: int, h: Hash, tier: int
     ) -> None:
-        if tier and self._pending:
+        if tier and w.wid in self._npending:
             p = self._pending.get((w.wid, group, h))
             if p is not None and p[tier] > 0:
                 p[tier] -= 1
                 self.stats.unjoined["removed_while_pending"] += 1
                 if not (p[1] or p[2]):
                     del self._pending[(w.wid, group, h)]
+                    self._unpend(w.wid)
                 return
         if tier and gs is not None and h in gs.meta:
             # fan-out of a chunk's non-tail constituents (C§5.8): harmless
@@ -1339,11 +1456,22 @@ class BlockIndex:
             ogs = ow.groups.get(ogroup) if ow is not None else None
             if ogs is None:
                 continue
-            if oh in ogs.meta and not self._held(ogs, oh):
-                del ogs.meta[oh]
-                self.stats.metadata_evicted += 1
+            m = ogs.meta.get(oh)
+            if m is None:
+                continue
+            if type(m) is int:
+                if m >= _G1:
+                    continue
+            elif _gpu(m) > 0:
+                continue
+            r = ogs.refs
+            if oh in r[1] or oh in r[2]:
+                continue
+            del ogs.meta[oh]
+            self.stats.metadata_evicted += 1
 
     def _rekey(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
+        self._reparent(gs, h, old, new)
         old_ck, new_ck = _ck(old), _ck(new)
         for tier in range(3):
             if (_gpu(old) > 0) if tier == 0 else (h in gs.refs[tier]):
@@ -1353,28 +1481,252 @@ class BlockIndex:
                 if new_ck is not None:
                     _mark(marks, new_ck, gs.bit)
 
+    # ------------------------------------------------------------------ the memory cap
+
+    def _enter(self, gs: _Group, h: Hash, m: _Meta | None) -> None:
+        """``h`` became resident through a CPU/STORAGE store: one more resident child for
+        its parent, and its place in the eviction queue."""
+        if m is not None:
+            p = _parent(m)
+            if p is not None:
+                gs.kids[p] = gs.kids.get(p, 0) + 1
+        self._qgroups.append(gs)
+        self._qhashes.append(h)
+        if len(self._qhashes) > self._qlimit:
+            self._compact_queue()
+
+    def _queue_store(self, gs: _Group, hashes: Any) -> None:
+        """Queue a GPU store's blocks for eviction, leaf first (they became resident
+        together, so each block goes before its parent), then enforce the cap (blocks
+        of an event being applied are not queued yet, so the cap is checked again)."""
+        self._storing = False
+        if self._tracking:
+            self._qhashes.extend(reversed(hashes))
+            self._qgroups.extend(repeat(gs, len(hashes)))
+            if len(self._qhashes) > self._qlimit:
+                self._compact_queue()
+        if self._resident > self._watch:
+            self._watch_hit()
+
+    def _watch_hit(self) -> None:
+        """More entries are resident than ``_watch``: start the eviction bookkeeping
+        (first time: more than half the cap) and evict if over the cap."""
+        if not self._tracking:
+            self._start_tracking()
+        if self._resident > self.max_blocks:
+            self._evict()
+
+    def _start_tracking(self) -> None:
+        """Build the children counts and the eviction queue from the index as it is (each
+        group's resident entries in record order, groups in slot order); from now on the
+        feeding code keeps them up to date."""
+        self._tracking = True
+        self._watch = self.max_blocks
+        qg, qh = self._qgroups, self._qhashes
+        for slot in sorted(self._slots):
+            gs = self._slots[slot][1]
+            kids = gs.kids
+            r1, r2 = gs.refs[1], gs.refs[2]
+            for h, m in gs.meta.items():
+                if _gpu(m) > 0 or h in r1 or h in r2:
+                    p = _parent(m)
+                    if p is not None:
+                        kids[p] = kids.get(p, 0) + 1
+                    qg.append(gs)
+                    qh.append(h)
+            for h in [*r1, *(h for h in r2 if h not in r1)]:
+                if h not in gs.meta:  # (held on CPU/STORAGE without a record)
+                    qg.append(gs)
+                    qh.append(h)
+        self._qlimit = max(1 << 16, 4 * len(qh))
+
+    def _unkid(self, gs: _Group, p: Hash) -> None:
+        """A resident entry whose parent is ``p`` stopped being resident."""
+        kids = gs.kids
+        c = kids.get(p)
+        if c is None:
+            return
+        if c > 1:
+            kids[p] = c - 1
+        else:
+            del kids[p]
+            if p in gs.deferred:
+                self._ready.append((gs, p))
+
+    def _reparent(self, gs: _Group, h: Hash, old: _Meta, new: _Meta) -> None:
+        """``h``'s record is replaced (an orphan healed): if it is resident, it is now a
+        child of the new record's parent."""
+        if not self._tracking:
+            return
+        po, pn = _parent(old), _parent(new)
+        if po != pn and self._held(gs, h):
+            if po is not None:
+                self._unkid(gs, po)
+            if pn is not None:
+                gs.kids[pn] = gs.kids.get(pn, 0) + 1
+
+    def _live(self, gs: _Group) -> bool:
+        t = self._slots.get(gs.slot)
+        return t is not None and t[1] is gs
+
     def _evict(self) -> None:
-        """Drop the least recently stored resident entries of the biggest worker group."""
-        batch = max(1, self.max_blocks // 100)
-        while self._resident > self.max_blocks - batch + 1 and self._slots:
-            _, gs = max(self._slots.values(), key=lambda s: len(s[1].meta))
-            victims = []
-            for h in gs.meta:
+        """Evict resident entries until at most ``max_blocks - max_blocks // 100`` remain
+        (at least one below the cap, so that eviction runs in batches).
+
+        Only resident entries are evicted (the entry, its metadata record and its tier
+        refcounts go; counted in ``stats.evicted_by_cap``), and the order is a function of
+        the event stream alone (never of queries, wall time or dict order of queries), so
+        two indexes fed the same events evict the same entries:
+
+        1. entries passed over earlier because they had resident children (see 2), as
+           soon as their last resident child is gone: they are the oldest;
+        2. the eviction queue: entries in the order they became resident (the blocks of
+           one GPU store leaf first); an entry that still has resident children in its
+           group (entries naming it as parent) is passed over (deferred) instead, so
+           leaves go before their parents and a shared prefix outlives every chat built
+           on it;
+        3. if 1 and 2 have nothing left (a parent cycle, say), deferred entries in the
+           order they were deferred, children or not: the cap always holds.  While a GPU
+           store is being applied its blocks are not queued yet, so this step waits for
+           the end of the event (the cap holds again once the event is applied).
+        """
+        goal = self.max_blocks - max(1, self.max_blocks // 100) + 1
+        ready = self._ready
+        qg, qh = self._qgroups, self._qhashes
+        slots = self._slots
+        head = self._qhead
+        end = len(qh)
+        try:
+            while self._resident > goal:
+                if ready:
+                    gs, h = ready.popleft()
+                    if h not in gs.deferred or gs.kids.get(h) or not self._live(gs):
+                        continue
+                    if not self._held(gs, h):
+                        del gs.deferred[h]
+                        continue
+                    self._drop(gs, h, gs.meta.get(h))
+                    continue
+                if head < end:
+                    gs = qg[head]
+                    h = qh[head]
+                    head += 1
+                    t = slots.get(gs.slot)
+                    if t is None or t[1] is not gs:
+                        continue  # a removed worker's
+                    m = gs.meta.get(h)
+                    if type(m) is int:
+                        if m < _G1 and h not in gs.refs[1] and h not in gs.refs[2]:
+                            continue  # not resident any more
+                    elif not self._held(gs, h):
+                        continue
+                    if gs.kids and h in gs.kids:
+                        gs.deferred[h] = None
+                        continue
+                    if gs.deferred and h in gs.deferred:
+                        continue
+                    self._drop(gs, h, m)
+                    continue
+                if self._storing or not self._evict_deferred(goal):
+                    break
+        finally:
+            self._qhead = head
+            if head > 4096 and 2 * head > len(qh):
+                del qg[:head]
+                del qh[:head]
+                self._qhead = 0
+
+    def _evict_deferred(self, goal: int) -> bool:
+        """Step 3 of :meth:`_evict`; False if there was nothing to evict."""
+        evicted = False
+        for slot in sorted(self._slots):
+            _, gs = self._slots[slot]
+            for h in list(gs.deferred):
+                if self._resident <= goal:
+                    return True
+                del gs.deferred[h]
                 if self._held(gs, h):
-                    victims.append(h)
-                    if len(victims) >= batch:
-                        break
-            if not victims:
-                return
-            for h in victims:
-                m = gs.meta.pop(h)
-                ck = _ck(m)
-                for tier in range(3):
-                    held = _gpu(m) > 0 if tier == 0 else gs.refs[tier].pop(h, None) is not None
-                    if held and ck is not None:
-                        _unmark(self._marks[tier], ck, gs.bit)
-                self._resident -= 1
-                self.stats.evicted_by_cap += 1
+                    self._drop(gs, h, gs.meta.get(h))
+                    evicted = True
+        return evicted
+
+    def _drop(self, gs: _Group, h: Hash, m: _Meta | None) -> None:
+        """Evict the resident entry ``h`` of ``gs`` (``m`` is its record) whole."""
+        p: Hash | None
+        if type(m) is int:
+            del gs.meta[h]
+            ck = (m & _M64) - _OFF if m & _HAS_CK else None
+            on_gpu = m >= _G1
+            pf = (m >> 105) & _M65
+            p = pf - 1 if pf else None
+        elif m is not None:
+            del gs.meta[h]
+            ck, on_gpu, p = _ck(m), _gpu(m) > 0, _parent(m)
+        else:
+            ck, on_gpu, p = None, False, None
+        bit = gs.bit
+        r = gs.refs
+        if ck is not None:
+            if on_gpu:
+                _unmark(self._marks[0], ck, bit)
+            if r[1] and r[1].pop(h, None) is not None:
+                _unmark(self._marks[1], ck, bit)
+            if r[2] and r[2].pop(h, None) is not None:
+                _unmark(self._marks[2], ck, bit)
+        else:
+            r[1].pop(h, None)
+            r[2].pop(h, None)
+        if gs.deferred:
+            gs.deferred.pop(h, None)
+        self._resident -= 1
+        self.stats.evicted_by_cap += 1
+        if p is not None:
+            kids = gs.kids
+            c = kids.get(p)
+            if c is not None:
+                if c > 1:
+                    kids[p] = c - 1
+                else:
+                    del kids[p]
+                    if p in gs.deferred:
+                        self._ready.append((gs, p))
+
+    def _compact_queue(self) -> None:
+        """Rewrite the eviction queue without the items it would skip (entries no longer
+        resident, deferred or of removed workers) and without repeats (an entry keeps its
+        first place), so that it stays proportional to the resident entries."""
+        seen: dict[int, set[Hash]] = {}  # by slot: hashes already kept
+        ng: list[_Group] = []
+        nh: list[Hash] = []
+        qg, qh = self._qgroups, self._qhashes
+        slots = self._slots
+        last: _Group | None = None
+        ok = False
+        kept: set[Hash] = set()
+        for i in range(self._qhead, len(qh)):
+            gs = qg[i]
+            if gs is not last:  # runs of one group are the common case
+                last = gs
+                t = slots.get(gs.slot)
+                ok = t is not None and t[1] is gs
+                meta, r1, r2, deferred = gs.meta, gs.refs[1], gs.refs[2], gs.deferred
+                kept = seen.setdefault(gs.slot, set())
+            if not ok:
+                continue
+            h = qh[i]
+            m = meta.get(h)
+            if type(m) is int:
+                if m < _G1 and h not in r1 and h not in r2:
+                    continue
+            elif not ((m is not None and _gpu(m) > 0) or h in r1 or h in r2):
+                continue
+            if h in kept or h in deferred:
+                continue
+            kept.add(h)
+            ng.append(gs)
+            nh.append(h)
+        self._qgroups, self._qhashes, self._qhead = ng, nh, 0
+        self._qlimit = max(1 << 16, 4 * len(nh))
 
     # ------------------------------------------------------------------ learning
 
@@ -1500,6 +1852,22 @@ class BlockIndex:
     def resident_count(self) -> int:
         """Resident (worker, group, hash) entries (held on at least one tier)."""
         return self._resident
+
+    @property
+    def retained_count(self) -> int:
+        """Metadata records kept for GPU-removed blocks no tier holds (for late joins)."""
+        return len(self._retired)
+
+    def gauges(self) -> dict[str, int]:
+        """Current sizes, for metrics: ``resident_entries`` (``len(index)``),
+        ``pending_joins`` (placeholder entries waiting for their GPU store) and
+        ``retained_metadata`` (:attr:`retained_count`).  Reads only plain ints and
+        ``len()``, so it may be called from another thread (a metrics scrape)."""
+        return {
+            "resident_entries": self._resident,
+            "pending_joins": len(self._pending),
+            "retained_metadata": len(self._retired),
+        }
 
     def __len__(self) -> int:
         return self._resident

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import zmq
 
-from kvevents.capture import CaptureReader
+from kvevents.capture import CaptureReader, SkippedRange
 from kvevents.codec import END_SEQ, pack_replay_request
 from kvevents.errors import ConfigError
 
@@ -281,7 +281,8 @@ class CaptureSource:
     Each record keeps its recorded ``source`` (as ``origin``), ``topic``, ``seq``, raw
     ``payload``, ``recv_ts`` and ``replayed`` flag.  A record with seq -1 and an empty
     payload that was flagged replayed is read as a recorded end-of-replay marker.  A
-    truncated or corrupt tail ends the source; the reason is in :attr:`tail_error`.
+    damaged record is skipped (see :attr:`skipped`); a damaged or torn end is also in
+    :attr:`tail_error`.
     """
 
     def __init__(self, path: str, *, name: str | None = None) -> None:
@@ -316,6 +317,11 @@ class CaptureSource:
         """Bytes of the file read so far (header and good records): progress over the
         file's size."""
         return self._reader.good_bytes
+
+    @property
+    def skipped(self) -> list[SkippedRange]:
+        """Damaged byte ranges of the file skipped so far (reading goes on after each)."""
+        return self._reader.skipped
 
     def sockets(self) -> Sequence[Any]:
         return []

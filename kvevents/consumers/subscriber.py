@@ -322,6 +322,10 @@ class Subscriber:
         self._owner: dict[Any, Source] = {}
         self._log = _RateLimitedLog()
         self._closed = False
+        self._last_delivery: dict[tuple[str, int], float] = {}
+        self.stale_after_s = 30.0
+        """A worker whose last delivered batch was received longer ago than this (seconds)
+        counts as stale in :meth:`gauges`."""
         if replay_from_start:
             self._catch_up_sources()
 
@@ -389,6 +393,36 @@ class Subscriber:
                 self.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+    def gauges(self, now: float | None = None) -> dict[str, float]:
+        """Current state, for metrics (``now``: wall-clock seconds, default the time now).
+
+        ``workers``: ``(source, dp_rank)`` streams seen; ``stale_workers``: those whose
+        last delivered batch was received more than :attr:`stale_after_s` ago;
+        ``replays_in_flight``: replay requests sent and not finished;
+        ``replay_lag_batches``: live batches held back behind gaps being replayed;
+        ``replay_lag_seconds``: how long the stream held back longest has delivered
+        nothing (seconds since its last delivered batch; 0 when no stream is replaying).
+        Reads copies of the subscriber's tables, so a scrape thread may call it."""
+        now = time.time() if now is None else now
+        last = dict(self._last_delivery)
+        trackers = list(self._trackers.items())
+        stale = sum(1 for ts in last.values() if now - ts > self.stale_after_s)
+        held = 0
+        lag = 0.0
+        for key, tracker in trackers:
+            if tracker.replaying:
+                held += tracker.pending
+                since = last.get(key)
+                if since is not None:
+                    lag = max(lag, now - since)
+        return {
+            "workers": len(trackers),
+            "stale_workers": stale,
+            "replays_in_flight": self._active,
+            "replay_lag_batches": held,
+            "replay_lag_seconds": max(lag, 0.0),
+        }
 
     # --- the engine shared with AsyncSubscriber ------------------------------------------
     def _take(self) -> SubscriberItem | None:
@@ -580,6 +614,7 @@ class Subscriber:
                 stats.events += len(it.batch.events)
                 if replayed:
                     stats.replayed_batches += 1
+                self._last_delivery[key] = it.recv_ts
                 self._out.append(
                     ReceivedBatch(
                         source,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from kvevents.engines import offset_endpoint
 from kvevents.errors import ConfigError
 from kvevents.publishers.base import EventPublisher, NullEventPublisher
 from kvevents.publishers.config import KVEVENTS_ONLY_FIELDS, KVEventsConfig
@@ -90,45 +91,6 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
         if kwargs.get(name) is None:
             kwargs.pop(name, None)
     return ctor(data_parallel_rank=data_parallel_rank, **kwargs)
-
-
-def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """The endpoint data-parallel rank ``data_parallel_rank`` uses (vLLM's rule, C§2.4).
-
-    * ``None`` → ``None``; rank 0 → ``endpoint`` unchanged;
-    * ``inproc://name`` → ``inproc://name_dp{rank}``;
-    * ``tcp://host:port`` → ``tcp://host:{port + rank}``; port 0 (OS-assigned) stays 0;
-    * any other transport (``ipc://`` …) with rank ≥ 1 → :class:`ConfigError`, which
-      is a ``ValueError`` as in vLLM.
-    """
-    if endpoint is None:
-        return None
-    if data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if endpoint.startswith("tcp://"):
-        base, sep, port_text = endpoint.rpartition(":")
-        if not sep or not port_text.isdigit() or base == "tcp":
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                "it does not end in ':<port>'"
-            )
-        port = int(port_text)
-        if port == 0:
-            return endpoint
-        new_port = port + data_parallel_rank
-        if new_port > 65535:
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                f"port {new_port} is above 65535"
-            )
-        return f"{base}:{new_port}"
-    raise ConfigError(
-        f"cannot derive an endpoint for data-parallel rank {data_parallel_rank} from "
-        f"{endpoint!r}: only tcp:// (port + rank) and inproc:// (_dp<rank> suffix) "
-        "endpoints can be offset; give each rank its own config"
-    )
 
 
 register_publisher("null", NullEventPublisher)

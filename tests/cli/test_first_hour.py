@@ -249,6 +249,6 @@ def test_record_shows_a_live_counter_on_a_terminal(tmp_path: Path) -> None:
             stop.set()
             feeder.join()
     assert rc == 0
-    assert f"recording {out}: " in terminal and "recorded 20 batches" in terminal
+    assert f"recording {out}: " in terminal and "recorded 20 records (20 batches" in terminal
     assert len(read_capture(out).records) == 20
     assert env()["PYTHONPATH"]

@@ -1,0 +1,42 @@
+"""A private asyncio loop on a daemon thread, so synchronous code can drive nats-py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """Runs one event loop on a daemon thread; :meth:`run` waits for a coroutine's result."""
+
+    def __init__(self, name: str = "kvevents-nats") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and return its result (re-raising its exception)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+        """Schedule ``coro`` without waiting; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Stop the loop and join the thread (idempotent)."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self.loop.close()

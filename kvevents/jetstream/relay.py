@@ -1,0 +1,358 @@
+"""``kvevents relay``: follow engines over ZMQ and append their batches to JetStream.
+
+The relay subscribes to every engine (catch-up from the oldest seq each still holds, gap
+replay, restart detection: all of :class:`~kvevents.consumers.Subscriber`) and appends
+each batch's raw payload bytes, unchanged, to a JetStream stream (created if missing) on
+subject ``kvevents.<engine>.<rank>`` with the headers of :mod:`kvevents.jetstream.naming`.
+
+The epoch is stored state, not per process: on start the relay reads the last message of
+each of an engine's subjects; when the engine still replays that seq with the same payload
+it keeps that epoch and appends only what follows it, otherwise it starts epoch + 1.  A
+restart of the publisher seen while relaying bumps the epoch too.  Together with
+``Nats-Msg-Id`` this lets a restarted relay, or two relays run for redundancy, append each
+batch exactly once, without relying on JetStream's duplicate window alone.  Appends are
+acknowledged by JetStream; a batch whose acknowledgement fails (server restarting) is
+sent again, in order, until it is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.consumers.seqtrack import PUBLISHER_RESTART
+from kvevents.consumers.sources import ZmqSource
+from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
+from kvevents.engines import EngineSpec
+from kvevents.errors import ConfigError
+from kvevents.jetstream.loop import LoopThread
+from kvevents.jetstream.naming import (
+    DEFAULT_STREAM,
+    SUBJECT_PREFIX,
+    BatchHeaders,
+    subject_for,
+)
+
+__all__ = ["JetStreamRelay", "RelayStats", "ensure_stream"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RelayStats:
+    """Counters of a relay: ``appended`` batches acknowledged by JetStream,
+    ``duplicates`` acknowledged as already stored, ``skipped`` batches the stream already
+    held from an earlier run, ``retries`` appends sent again, ``epochs`` bumped (restarts),
+    ``anomalies`` the subscriber reported, by kind."""
+
+    appended: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    retries: int = 0
+    epochs: int = 0
+    anomalies: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Cursor:
+    epoch: int
+    skip_through: int | None = None  # seqs <= this are already in the stream (same life)
+
+
+async def ensure_stream(
+    js: Any,
+    stream: str,
+    *,
+    max_age_s: float | None = None,
+    max_bytes: int | None = None,
+) -> None:
+    """Create stream ``stream`` over ``kvevents.>`` if missing; apply the limits given."""
+    from nats.js import api
+    from nats.js.errors import NotFoundError
+
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        await js.add_stream(
+            name=stream,
+            subjects=[f"{SUBJECT_PREFIX}.>"],
+            max_age=max_age_s,
+            max_bytes=max_bytes if max_bytes is not None else -1,
+            storage=api.StorageType.FILE,
+        )
+        return
+    cfg = info.config
+    changed = False
+    if max_age_s is not None and cfg.max_age != max_age_s:
+        cfg.max_age, changed = max_age_s, True
+    if max_bytes is not None and cfg.max_bytes != max_bytes:
+        cfg.max_bytes, changed = max_bytes, True
+    if changed:
+        await js.update_stream(cfg)
+
+
+class JetStreamRelay:
+    """Relay ``engines`` into stream ``stream`` on the NATS server ``nats_url``.
+
+    Call :meth:`run` (blocks until ``stop`` is set or :meth:`close`); ``on_batch`` is
+    called after each batch is stored (tests and ``--snapshot-every`` use it).
+    """
+
+    def __init__(
+        self,
+        nats_url: str,
+        engines: Sequence[EngineSpec],
+        *,
+        stream: str = DEFAULT_STREAM,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+        ack_timeout_s: float = 5.0,
+        chunk: int = 256,
+        verify_timeout_s: float = 2.0,
+        context: zmq.Context[Any] | None = None,
+        subscriber_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not engines:
+            raise ConfigError("the relay needs at least one engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"engine names must be unique: {names}")
+        self.nats_url = nats_url
+        self.engines = list(engines)
+        self.stream = stream
+        self.stats = RelayStats()
+        self._ack_timeout_s = ack_timeout_s
+        self._chunk = chunk
+        self._verify_timeout_s = verify_timeout_s
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._loop = LoopThread("kvevents-relay")
+        self._stop = threading.Event()
+        self._cursors: dict[tuple[str, int], _Cursor] = {}
+        self._engine_of: dict[str, str] = {}
+        self._replay_of: dict[tuple[str, int], str | None] = {}
+        try:
+            self._nc, self._js = self._loop.run(self._connect(max_age_s, max_bytes), timeout=30)
+            self._resume()
+            sources = []
+            for spec in self.engines:
+                for rank, events, replay in spec.rank_endpoints():
+                    src_name = spec.name if spec.dp_size == 1 else f"{spec.name}@{rank}"
+                    self._engine_of[src_name] = spec.name
+                    self._replay_of[(spec.name, rank)] = replay
+                    sources.append(
+                        ZmqSource(
+                            events,
+                            spec.topic.encode(),
+                            replay,
+                            name=src_name,
+                            context=self._ctx,
+                        )
+                    )
+            self.subscriber = Subscriber(
+                sources, replay_from_start=True, **(subscriber_options or {})
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+
+    async def _connect(self, max_age_s: float | None, max_bytes: int | None) -> tuple[Any, Any]:
+        import nats
+
+        try:
+            nc = await nats.connect(
+                self.nats_url,
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+            )
+        except Exception as exc:
+            raise ConfigError(f"cannot connect to NATS at {self.nats_url}: {exc}") from exc
+        js = nc.jetstream()
+        await ensure_stream(js, self.stream, max_age_s=max_age_s, max_bytes=max_bytes)
+        return nc, js
+
+    # --- the stored epoch -------------------------------------------------------------
+    def _resume(self) -> None:
+        """Read each engine's last stored batch per rank and decide its epoch (see module)."""
+        for spec in self.engines:
+            last = self._loop.run(self._last_messages(spec.name), timeout=30)
+            replay_for = {r: rep for r, _ev, rep in spec.rank_endpoints()}
+            for h, payload in last:
+                replay = replay_for.get(h.rank)
+                same = replay is not None and self._engine_still_has(replay, h.seq, payload)
+                if same:
+                    self._cursors[(spec.name, h.rank)] = _Cursor(h.epoch, h.seq)
+                    logger.info(
+                        "%s rank %d: resuming epoch %d after seq %d",
+                        spec.name,
+                        h.rank,
+                        h.epoch,
+                        h.seq,
+                    )
+                else:
+                    self._cursors[(spec.name, h.rank)] = _Cursor(h.epoch + 1)
+                    self.stats.epochs += 1
+                    logger.info("%s rank %d: new epoch %d", spec.name, h.rank, h.epoch + 1)
+
+    async def _last_messages(self, engine: str) -> list[tuple[BatchHeaders, bytes]]:
+        from nats.js.errors import NotFoundError
+
+        info = await self._js.stream_info(
+            self.stream, subjects_filter=f"{SUBJECT_PREFIX}.{engine}.*"
+        )
+        out = []
+        for subject in sorted(info.state.subjects or {}):
+            try:
+                msg = await self._js.get_last_msg(self.stream, subject)
+            except NotFoundError:
+                continue
+            try:
+                out.append((BatchHeaders.from_nats(msg.headers), bytes(msg.data or b"")))
+            except ConfigError as exc:
+                logger.warning("ignoring the last message of %s: %s", subject, exc)
+        return out
+
+    def _engine_still_has(self, replay_endpoint: str, seq: int, payload: bytes) -> bool:
+        """Ask the engine's replay socket for ``seq``: True if it answers with ``payload``."""
+        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(replay_endpoint)
+            dealer.send_multipart(pack_replay_request(seq))
+            if not dealer.poll(int(self._verify_timeout_s * 1000)):
+                return False
+            frames = dealer.recv_multipart()
+        finally:
+            dealer.close(0)
+        if len(frames) == 4:
+            seq_frame, data = frames[2], frames[3]
+        elif len(frames) == 3:
+            seq_frame, data = frames[1], frames[2]
+        else:
+            return False
+        if seq_frame == END_SEQ or len(seq_frame) != 8:
+            return False
+        return int.from_bytes(seq_frame, "big") == seq and data == payload
+
+    # --- relaying ---------------------------------------------------------------------
+    def _headers_for(self, rb: ReceivedBatch) -> BatchHeaders | None:
+        engine = self._engine_of.get(rb.source, rb.source)
+        cur = self._cursors.setdefault((engine, rb.dp_rank), _Cursor(0))
+        if cur.skip_through is not None:
+            if rb.seq <= cur.skip_through:
+                self.stats.skipped += 1
+                return None
+            cur.skip_through = None
+        return BatchHeaders(engine, rb.topic, rb.dp_rank, rb.seq, cur.epoch)
+
+    def _on_anomaly(self, a: Anomaly) -> None:
+        self.stats.anomalies[a.kind] += 1
+        if a.kind == PUBLISHER_RESTART and a.dp_rank is not None:
+            engine = self._engine_of.get(a.source, a.source)
+            cur = self._cursors.setdefault((engine, a.dp_rank), _Cursor(-1))
+            cur.epoch += 1
+            cur.skip_through = None
+            self.stats.epochs += 1
+            logger.info("%s rank %d restarted: epoch %d", engine, a.dp_rank, cur.epoch)
+        else:
+            logger.info("%s: %s %s..%s %s", a.source, a.kind, a.first_seq, a.last_seq, a.detail)
+
+    async def _append(self, msgs: list[tuple[str, bytes, dict[str, str]]]) -> None:
+        """Store ``msgs`` in order; resend from the first unacknowledged one until done."""
+        start = 0
+        while start < len(msgs):
+            futures = []
+            try:
+                for subject, payload, headers in msgs[start:]:
+                    futures.append(await self._js.publish_async(subject, payload, headers=headers))
+
+                for fut in futures:
+                    ack = await asyncio.wait_for(fut, self._ack_timeout_s)
+                    if getattr(ack, "duplicate", False):
+                        self.stats.duplicates += 1
+                    else:
+                        self.stats.appended += 1
+
+                start = len(msgs)
+            except Exception as exc:  # timeouts, a server going away: send the rest again
+                for fut in futures:
+                    if not fut.done():
+                        fut.cancel()
+                acked = sum(
+                    1 for f in futures if f.done() and not f.cancelled() and f.exception() is None
+                )
+                # Acks arrive in order for one connection; resend from the first not acked.
+                start += acked
+                self.stats.retries += 1
+                logger.warning("JetStream append failed (%s); resending %d", exc, len(msgs) - start)
+                if self._stop.is_set():
+                    raise
+                await asyncio.sleep(0.2)
+
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        on_batch: Callable[[ReceivedBatch], None] | None = None,
+    ) -> None:
+        """Relay until ``stop`` is set (or :meth:`close` is called)."""
+        stop = stop or self._stop
+        while not stop.is_set() and not self._stop.is_set():
+            pending: list[tuple[str, bytes, dict[str, str]]] = []
+            done: list[ReceivedBatch] = []
+            item = self.subscriber.receive(timeout=0.2)
+            while item is not None:
+                if isinstance(item, Anomaly):
+                    self._on_anomaly(item)
+                else:
+                    h = self._headers_for(item)
+                    if h is not None:
+                        pending.append((subject_for(h.source, h.rank), item.payload, h.to_nats()))
+                        done.append(item)
+                if len(pending) >= self._chunk:
+                    break
+                item = self.subscriber.receive(timeout=0)
+            if pending:
+                self._loop.run(self._append(pending))
+                if on_batch is not None:
+                    for rb in done:
+                        on_batch(rb)
+
+    def close(self) -> None:
+        """Stop relaying, close the subscriber and the NATS connection (idempotent)."""
+        if self._stop.is_set() and self._loop.loop.is_closed():
+            return
+        self._stop.set()
+        self.subscriber.close()
+        try:
+            self._loop.run(self._nc.drain(), timeout=5)
+        except Exception:
+            logger.debug("NATS drain failed", exc_info=True)
+        self._loop.close()
+
+    def __enter__(self) -> JetStreamRelay:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def wait_appended(self, n: int, timeout_s: float) -> bool:
+        """For tests: wait until ``appended + duplicates + skipped >= n``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.stats
+            if s.appended + s.duplicates + s.skipped >= n:
+                return True
+            time.sleep(0.01)
+        return False
