@@ -826,6 +826,10 @@ class BlockIndex:
         """Every worker the index has seen (and not removed), sorted."""
         return sorted(self._workers)
 
+    def num_workers(self) -> int:
+        """How many workers :meth:`workers` would list."""
+        return len(self._workers)
+
     def snapshot(self) -> bytes:
         """This index's whole state as bytes (versioned msgpack): :meth:`restore` gives
         an index that answers and applies exactly as this one would from here on."""

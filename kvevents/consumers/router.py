@@ -95,6 +95,7 @@ class Router:
         self.index = index
         self.weights = weights if weights is not None else TierWeights()
         self.load_weight = load_weight
+        self._workers_cache: tuple[_Layout, int, list[WorkerId], set[WorkerId]] | None = None
 
     # ---------------------------------------------------------------- matching
 
@@ -205,8 +206,79 @@ class Router:
     ) -> WorkerId:
         """The cheapest worker for the request; ties go to the smallest worker id.
 
-        Raises :class:`~kvevents.errors.ConfigError` when there is no worker at all.
+        The same choice as ``score(...)[0].worker``, found without building a
+        :class:`Candidate` per worker or sorting them.  Raises
+        :class:`~kvevents.errors.ConfigError` when there is no worker at all.
         """
+        matches = self.find_matches(
+            request,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+        )
+        wt = self.weights
+        if min(wt.gpu, wt.cpu, wt.storage) < 0 or not all(
+            map(math.isfinite, (wt.gpu, wt.cpu, wt.storage, self.load_weight))
+        ):
+            # Unusual weights: a match may raise a cost, so rank every candidate.
+            return self._ranked_first(request, loads, lora_name, cache_salt, mm_features,
+                                      prompt_embeds)  # fmt: skip
+        n = len(request.tokens if isinstance(request, RequestKey) else request)
+        lw = self.load_weight
+        workers, known = self._sorted_workers()
+        # Costs are the expressions ``score`` evaluates, in the same order, so equal
+        # costs (and the worker-id tie break) come out exactly as there.  With weights
+        # >= 0 a match never raises a cost, so a worker's cost without its match is an
+        # upper bound: the best unmatched cost is the minimum over every candidate of
+        # ``n - 0.0 + lw * load`` (C loops), and matched workers are then compared at
+        # their true cost.
+        best: tuple[float, WorkerId] | None = None
+        zero = lw * 0.0
+        if loads:
+            # ``float(lw) * x == lw * x`` for an int ``lw`` too (int * float converts it)
+            base = map((n - 0.0).__add__, map(float(lw).__mul__, map(float, loads.values())))
+            best = _cheapest(list(base), loads)
+            if not known <= loads.keys():
+                for wid in workers:  # the first index worker without a load (load 0.0)
+                    if wid not in loads:
+                        best = min(best, (n - 0.0 + zero, wid))
+                        break
+        else:
+            for wid in workers:  # the smallest worker without a match
+                if wid not in matches:
+                    best = (n - 0.0 + zero, wid)
+                    break
+        if matches:
+            if not matches.keys() <= known:  # not expected: the index's own workers
+                return self._ranked_first(request, loads, lora_name, cache_salt, mm_features,
+                                          prompt_embeds)  # fmt: skip
+            # each matched worker at its true cost, ``n - reused + lw * load``
+            wg, wc, ws = wt.gpu, wt.cpu, wt.storage
+            if loads:
+                get = loads.get
+                costs = [
+                    n - (wg * g + wc * c + ws * st) + lw * float(get(wid, 0.0))
+                    for wid, (g, c, st) in matches.items()
+                ]
+            else:
+                costs = [n - (wg * g + wc * c + ws * st) + zero for g, c, st in matches.values()]
+            matched = _cheapest(costs, matches)
+            if best is None or matched < best:
+                best = matched
+        if best is None:
+            raise ConfigError("no workers to route to: the index is empty and no loads given")
+        return best[1]
+
+    def _ranked_first(
+        self,
+        request: Sequence[int] | RequestKey,
+        loads: Mapping[WorkerId, float] | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        mm_features: Sequence[MMFeature] | None,
+        prompt_embeds: PromptEmbeds | None,
+    ) -> WorkerId:
         ranked = self.score(
             request,
             loads,
@@ -218,6 +290,33 @@ class Router:
         if not ranked:
             raise ConfigError("no workers to route to: the index is empty and no loads given")
         return ranked[0].worker
+
+    def _sorted_workers(self) -> tuple[list[WorkerId], set[WorkerId]]:
+        """The index's workers, sorted, and a container to test membership (cached).
+
+        The cache is keyed on the index's layout object (replaced whenever a worker is
+        removed or gains a group) and its worker count (a worker is only ever added).
+        """
+        index = self.index
+        lay = index.layout()
+        count = index.num_workers()
+        cached = self._workers_cache
+        if cached is not None and cached[0] is lay and cached[1] == count:
+            return cached[2], cached[3]
+        ordered = index.workers()
+        known = set(ordered)
+        self._workers_cache = (lay, count, ordered, known)
+        return ordered, known
+
+
+def _cheapest(costs: list[float], workers: Iterable[WorkerId]) -> tuple[float, WorkerId]:
+    """``min(zip(costs, workers))`` (``workers`` aligned with ``costs``), in fewer steps:
+    the least cost first (float comparisons only), then the least worker among those
+    that have it."""
+    least = min(costs)
+    if least != least:  # NaN: compare as tuples, as ``score``'s sort would
+        return min(zip(costs, workers))
+    return least, min(compress(workers, map(least.__eq__, costs)))
 
 
 def _request_key(

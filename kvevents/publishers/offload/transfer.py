@@ -11,11 +11,13 @@ Layout:
   chunk ``c`` lives in row ``c·blocks_per_chunk + j``.
 
 Copies are batched and move every byte once.  On CPU the transfer's rows are sorted and
-split into runs of consecutive rows, either on the destination side (one
-``index_select(src, 0, idx, out=dst[run])`` per run) or on the source side (one
-``dst.index_copy_(0, idx, src[run])`` per run), whichever gives fewer calls; there is no
-Python loop per block.  Rows are viewed with the widest integer type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is one asynchronous
-copy on a side stream that waits for the compute stream; transfers stay in submission
+split into runs of consecutive rows, either on the destination side (one NumPy
+``take(src, idx, out=dst[run])`` per run) or on the source side (one ``dst[idx] =
+src[run]`` per run), whichever gives fewer calls; there is no Python loop per block.
+NumPy's row gather/scatter moves each row as one contiguous block (torch's CPU
+``index_copy_`` ran at ~0.7x of a plain copy).  Rows are viewed with the widest integer
+type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is
+one asynchronous copy on a side stream that waits for the compute stream; transfers stay in submission
 order and report their device time.
 
 :class:`CPUTransferWorker` reports completion through
@@ -180,26 +182,6 @@ def _runs(
     return runs, torch.from_numpy(np.ascontiguousarray(src[order]))
 
 
-def _run_views(table: torch.Tensor, runs: Runs) -> list[torch.Tensor]:
-    """Views of ``table``'s rows for each run (runs sorted by first row, disjoint).
-
-    One ``split`` call builds every view, cheaper than slicing run by run.
-    """
-    sizes: list[int] = []
-    picks: list[int] = []
-    pos = 0
-    for first, _, length in runs:
-        if first > pos:
-            sizes.append(first - pos)
-        picks.append(len(sizes))
-        sizes.append(length)
-        pos = first + length
-    if pos < table.shape[0]:
-        sizes.append(table.shape[0] - pos)
-    parts = table.split(sizes)
-    return [parts[i] for i in picks]
-
-
 @dataclass
 class _Plan:
     blocks: npt.NDArray[np.int64]  # device block ids, transfer order
@@ -299,27 +281,40 @@ class CPUTransferWorker:
 
     def _copy_cpu(self, plan: _Plan, store: bool) -> None:
         # Every byte moves once: either gather each run of consecutive destination rows
-        # with ``index_select(..., out=dst[run])``, or scatter each run of consecutive
-        # source rows with ``dst.index_copy_(0, idx, src[run])``, whichever needs fewer
-        # calls.  Rows are viewed with the widest integer type that tiles them.
+        # (``np.take(src, idx, out=dst[run])``), or scatter each run of consecutive
+        # source rows (``dst[idx] = src[run]``), whichever needs fewer calls.  Rows are
+        # viewed with the widest integer type that tiles them.  NumPy's fancy-index copy
+        # moves each row as one contiguous block; torch's CPU ``index_copy_`` ran at ~0.7x
+        # of a plain copy here, NumPy's at ~1x.
         src_pos, dst_pos = (plan.blocks, plan.rows) if store else (plan.rows, plan.blocks)
         if store:
             gather_runs, gather_idx = plan.host_runs, plan.device_idx
         else:
             gather_runs, gather_idx = _runs(dst_pos, src_pos)
         scatter_runs, scatter_idx = _runs(src_pos, dst_pos, unique=False)
-        # Scatter only from distinct source rows (run views must not overlap).
-        gather = len(gather_runs) <= len(scatter_runs) or np.unique(src_pos).size != src_pos.size
+        # Scatter only from distinct source rows (run views must not overlap).  Measured
+        # on CPU (4 layers x 512 random 64 KiB blocks): a store's gather and a load's
+        # scatter reach ~1.0x of one contiguous copy, a load's gather only ~0.8x, so a
+        # load scatters unless that takes over 4x the calls.
+        if store:
+            gather = len(gather_runs) <= len(scatter_runs)
+        else:
+            gather = len(gather_runs) * 4 < len(scatter_runs)
+        gather = gather or np.unique(src_pos).size != src_pos.size
         runs, idx = (gather_runs, gather_idx) if gather else (scatter_runs, scatter_idx)
-        idx_parts = idx.split([length for _, _, length in runs])  # views, built in C++
+        idx_np = idx.numpy()
+        bounds = [(first, first + length, start, start + length) for first, start, length in runs]
         for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
-            src, dst = (dev, host) if store else (host, dev)
+            dev_np, host_np = dev.detach().numpy(), host.numpy()
+            src, dst = (dev_np, host_np) if store else (host_np, dev_np)
             if gather:
-                for part, out in zip(idx_parts, _run_views(dst, runs)):
-                    torch.index_select(src, 0, part, out=out)
+                # ``mode="clip"`` only skips NumPy's bounds pass (and its buffered
+                # ``out``): every index was range-checked by ``_plan``.
+                for lo, hi, a, b in bounds:
+                    np.take(src, idx_np[a:b], axis=0, out=dst[lo:hi], mode="clip")
             else:
-                for part, rows in zip(idx_parts, _run_views(src, runs)):
-                    dst.index_copy_(0, part, rows)
+                for lo, hi, a, b in bounds:
+                    dst[idx_np[a:b]] = src[lo:hi]
 
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")

@@ -182,7 +182,7 @@ def test_same_device_block_stored_into_two_chunks() -> None:
 
 
 def test_small_pages_scattered_load_uses_one_scatter_and_stays_exact() -> None:
-    # 64-byte pages, scattered destinations: the load takes the index_copy_ path.
+    # 64-byte pages, scattered destinations: the load takes the scatter path.
     layers = [torch.randn(64, 16) for _ in range(2)]
     originals = [t.clone() for t in layers]
     worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=2)
@@ -190,6 +190,22 @@ def test_small_pages_scattered_load_uses_one_scatter_and_stays_exact() -> None:
     worker.submit_store(0, src, CPULoadStoreSpec([5, 1, 6, 0]))
     dst = [50, 10, 22, 13, 1, 62, 30, 17]
     worker.submit_load(1, CPULoadStoreSpec([5, 1, 6, 0]), dst)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    for dev, orig in zip(layers, originals):
+        assert same_bytes(dev[dst], orig[src])
+
+
+def test_load_gathers_when_scattering_needs_many_more_calls() -> None:
+    # one chunk per block, 8 scattered chunks loaded into 8 consecutive device blocks:
+    # one gather run against 8 scatter runs, so the load gathers
+    layers = [torch.randn(32, 24).to(torch.float16), torch.randn(32, 5, 3)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=10, blocks_per_chunk=1)
+    src = [30, 2, 17, 8, 25, 11, 4, 21]
+    chunks = CPULoadStoreSpec([7, 0, 9, 3, 5, 1, 8, 2])
+    worker.submit_store(0, src, chunks)
+    dst = list(range(12, 20))
+    worker.submit_load(1, chunks, dst)
     assert [r.success for r in worker.get_finished()] == [True, True]
     for dev, orig in zip(layers, originals):
         assert same_bytes(dev[dst], orig[src])
