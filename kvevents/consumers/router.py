@@ -218,10 +218,13 @@ class Router:
             prompt_embeds=prompt_embeds,
         )
         wt = self.weights
-        if min(wt.gpu, wt.cpu, wt.storage) < 0 or not all(
-            map(math.isfinite, (wt.gpu, wt.cpu, wt.storage, self.load_weight))
+        if (
+            min(wt.gpu, wt.cpu, wt.storage) < 0
+            or not all(map(math.isfinite, (wt.gpu, wt.cpu, wt.storage, self.load_weight)))
+            or self.index.stale_workers
         ):
-            # Unusual weights: a match may raise a cost, so rank every candidate.
+            # Unusual weights (a match may raise a cost) or stale workers to leave out:
+            # rank every candidate as score() does.
             return self._ranked_first(request, loads, lora_name, cache_salt, mm_features,
                                       prompt_embeds)  # fmt: skip
         n = len(request.tokens if isinstance(request, RequestKey) else request)
