@@ -69,6 +69,40 @@ def _pack_int_dict(d: dict[Any, Any]) -> list[Any] | None:
     return ["D", kb, width, vb]
 
 
+_PRIM = (type(None), bool, str, bytes, float)
+
+
+def _plain(x: Any) -> bool:
+    """A primitive msgpack carries as is, or a tuple of such (or of such tuples)."""
+    t = type(x)
+    if t is int:
+        return _I64_MIN <= x <= _U64_MAX
+    if t in _PRIM:
+        return True
+    if t is tuple:
+        return all(_plain(y) for y in x)
+    return False
+
+
+def _lists(x: Any) -> Any:
+    """Tuples (nested) as lists, for msgpack."""
+    return [_lists(y) for y in x] if type(x) is tuple else x
+
+
+def _tuples(x: Any) -> Any:
+    """Lists (nested) back to tuples: the inverse of :func:`_lists` for plain values."""
+    return tuple(_tuples(y) for y in x) if type(x) is list else x
+
+
+def _pack_plain_dict(d: dict[Any, Any], tag: str) -> list[Any] | None:
+    """A dict (or OrderedDict: ``tag``) whose keys and values are all plain, as
+    ``[tag, keys, values]`` with tuples as lists: one msgpack array each, read back in
+    two comprehensions instead of one generic walk per element."""
+    if not all(map(_plain, d)) or not all(map(_plain, d.values())):
+        return None
+    return [tag, [_lists(k) for k in d], [_lists(v) for v in d.values()]]
+
+
 def _unpack_int_dict(v: list[Any]) -> dict[int, int]:
     _, kb, width, vb = v
     keys = struct.unpack(f"<{len(kb) // 8}Q", kb)
@@ -96,15 +130,23 @@ class _Writer:
             n = (v.bit_length() + 8) // 8
             return ["i", v.to_bytes(n, "little", signed=True)]
         if t is list:
+            if all(map(_plain, v)):
+                return ["lp", [_lists(x) for x in v]]
+            ids = self.ids
+            if v and all(id(x) in ids for x in v):  # objects already written: refs only
+                return ["lr", [ids[id(x)] for x in v]]
             return ["l", [self.enc(x) for x in v]]
         if t is tuple:
             return ["t", [self.enc(x) for x in v]]
         if t is dict:
-            packed = _pack_int_dict(v)
+            packed = _pack_int_dict(v) or _pack_plain_dict(v, "dp")
             if packed is not None:
                 return packed
             return ["d", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
         if t is OrderedDict:
+            packed = _pack_plain_dict(v, "op")
+            if packed is not None:
+                return packed
             return ["o", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
         if t is Counter:
             return ["c", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
@@ -160,6 +202,15 @@ class _Reader:
             return int.from_bytes(v[1], "little", signed=True)
         if tag == "D":
             return _unpack_int_dict(v)
+        if tag in ("dp", "op"):
+            keys = [_tuples(k) if type(k) is list else k for k in v[1]]
+            vals = [_tuples(x) if type(x) is list else x for x in v[2]]
+            return dict(zip(keys, vals)) if tag == "dp" else OrderedDict(zip(keys, vals))
+        if tag == "lp":
+            return [_tuples(x) if type(x) is list else x for x in v[1]]
+        if tag == "lr":
+            objs = self.objs
+            return [objs[i] for i in v[1]]
         if tag == "r":
             return self.objs[v[1]]
         if tag == "n":
