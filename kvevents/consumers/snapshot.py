@@ -86,12 +86,16 @@ def _plain(x: Any) -> bool:
 
 def _lists(x: Any) -> Any:
     """Tuples (nested) as lists, for msgpack."""
-    return [_lists(y) for y in x] if type(x) is tuple else x
+    if type(x) is not tuple:
+        return x
+    return [_lists(y) if type(y) is tuple else y for y in x]
 
 
 def _tuples(x: Any) -> Any:
     """Lists (nested) back to tuples: the inverse of :func:`_lists` for plain values."""
-    return tuple(_tuples(y) for y in x) if type(x) is list else x
+    if type(x) is not list:
+        return x
+    return tuple([_tuples(y) if type(y) is list else y for y in x])
 
 
 def _pack_plain_dict(d: dict[Any, Any], tag: str) -> list[Any] | None:
@@ -166,7 +170,7 @@ class _Writer:
         self.schema.setdefault(key, names)
         extra = None
         if isinstance(v, dict):  # a dict subclass with attributes (counted marks)
-            extra = ["d", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
+            extra = self.enc(dict(v))
         return ["n", ref, key, [self.enc(getattr(v, f)) for f in names], extra]
 
 
