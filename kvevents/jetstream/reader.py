@@ -384,6 +384,11 @@ class JetStreamSubscriber:
         return self._reader.stats
 
     @property
+    def decoder(self) -> BatchDecoder:
+        """The decoder of the payloads (its ``stats`` count what it skipped)."""
+        return self._reader.decoder
+
+    @property
     def position(self) -> StreamPosition:
         """The position after the last item handed out (a copy); see
         :attr:`AsyncJetStreamSubscriber.position`."""

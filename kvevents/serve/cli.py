@@ -38,6 +38,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "load_tokens": args.load_tokens,
             "scrape_interval_s": args.scrape_interval,
             "seed": args.seed,
+            "nats_url": args.nats,
+            "nats_stream": args.stream,
         },
     )
     service = ServeApp(config)
@@ -192,6 +194,13 @@ def add_parsers(sub: Any) -> None:
         "--scrape-interval", type=float, metavar="S", help="engine /metrics interval (1)"
     )
     p.add_argument("--seed", type=int, help="seed of the random policy")
+    p.add_argument(
+        "--nats",
+        metavar="URL",
+        help="read the engines' events from this NATS JetStream server (written there by "
+        "kvevents relay) instead of their ZMQ sockets; engines are then NAME=HTTP_URL",
+    )
+    p.add_argument("--stream", help="JetStream stream with --nats (default KV_EVENTS)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=_cmd_serve)

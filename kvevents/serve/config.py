@@ -63,7 +63,7 @@ class EngineSpec:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"engine {self.name}: HTTP URL {self.url!r} must start with http://")
         for what, ep in (("events", self.events), ("replay", self.replay)):
-            if ep is not None and "://" not in ep:
+            if ep and "://" not in ep:
                 raise ConfigError(f"engine {self.name}: {what} endpoint {ep!r} is not a ZMQ URL")
         if self.dp < 1:
             raise ConfigError(f"engine {self.name}: dp must be >= 1")
@@ -90,7 +90,8 @@ class EngineSpec:
 
 
 def parse_engine_spec(text: str) -> EngineSpec:
-    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T]``; :class:`ConfigError` if bad."""
+    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T]`` (or ``NAME=HTTP_URL`` when
+    the events come from JetStream); :class:`ConfigError` if bad."""
     name, sep, rest = text.strip().partition("=")
     if not sep or not rest:
         raise ConfigError(
@@ -99,7 +100,9 @@ def parse_engine_spec(text: str) -> EngineSpec:
         )
     main, *options = rest.split(";")
     parts = [p.strip() for p in main.split(",")]
-    if len(parts) not in (2, 3) or not all(parts):
+    if len(parts) == 1 and parts[0]:
+        parts.append("")  # NAME=HTTP_URL: events come from JetStream (serve --nats)
+    elif len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(
             f"--engine {text!r}: expected HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] after '='"
         )
@@ -147,11 +150,23 @@ class ServeConfig:
     retry_after_s: float = 2.0
     replay_timeout_s: float = 5.0
     seed: int = 0
+    nats_url: str | None = None
+    """Read the engines' events from this NATS JetStream server (written there by
+    ``kvevents relay``) instead of their ZMQ sockets; engines are then ``NAME=HTTP_URL``
+    with NAME as the relay names them."""
+    nats_stream: str = "KV_EVENTS"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""
         if not self.engines:
             raise ConfigError("no engines: give --engine NAME=HTTP_URL,EVENTS[,REPLAY] or --config")
+        if self.nats_url is None:
+            for e in self.engines:
+                if not e.events:
+                    raise ConfigError(
+                        f"engine {e.name}: no events endpoint (NAME=HTTP_URL,EVENTS[,REPLAY]), "
+                        "and no --nats stream to read its events from"
+                    )
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ConfigError(f"engine names must be unique: {names}")
@@ -178,6 +193,8 @@ _OPTION_TYPES: dict[str, type] = {
     "retry_after_s": float,
     "replay_timeout_s": float,
     "seed": int,
+    "nats_url": str,
+    "nats_stream": str,
 }
 
 _ENV = {

@@ -49,6 +49,7 @@ from kvevents.consumers import (
 )
 from kvevents.consumers.sources import REPLAY_END
 from kvevents.events import MEDIUM_GPU, KVEventBatch
+from kvevents.jetstream.reader import JetStreamSubscriber
 from kvevents.serve.config import EngineSpec, ServeConfig
 
 __all__ = ["Fleet", "RankState"]
@@ -223,6 +224,10 @@ class Fleet:
         self._sources: list[_WatchedSource] = []
         self.down_until: dict[str, float] = {}
         self.down_reason: dict[str, str] = {}
+        self._by_worker: dict[tuple[str, int], RankState] = {}
+        if config.nats_url is not None:
+            self._init_jetstream(config)
+            return
         ctx: zmq.Context[Any] = zmq.Context.instance()
         try:
             for spec in config.engines:
@@ -241,7 +246,7 @@ class Fleet:
             catch_up: dict[str, Any] = (
                 {"catch_up": True} if "catch_up" in params else {"replay_from_start": True}
             )
-            self.subscriber = Subscriber(
+            self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
                 replay_timeout=config.replay_timeout_s,
                 **catch_up,
@@ -250,6 +255,23 @@ class Fleet:
             for s in self._sources:
                 s.close()
             raise
+        self._finish_init()
+
+    def _init_jetstream(self, config: ServeConfig) -> None:
+        """Follow the engines' batches in a JetStream stream (``kvevents relay`` wrote them
+        as ``kvevents.<NAME>.<rank>``): the worker of an engine's rank is ``(NAME, rank)``,
+        and a stream is durable, so every rank counts as connected and caught up."""
+        for spec in config.engines:
+            for rank in range(spec.dp):
+                state = RankState(spec, rank, spec.name, config.nats_url or "", None)
+                state.connected = True
+                self.ranks.append(state)
+                self._by_worker[(spec.name, rank)] = state
+        assert config.nats_url is not None
+        self.subscriber = JetStreamSubscriber(config.nats_url, config.nats_stream)
+        self._finish_init()
+
+    def _finish_init(self) -> None:
         self.anomalies: Counter[str] = Counter()
         self._wids: dict[str, tuple[str, int]] = {}
         self.unknown_batches = 0
@@ -276,6 +298,9 @@ class Fleet:
     # --- lookups -----------------------------------------------------------------------
     def rank_for(self, source: str, dp_rank: int) -> RankState | None:
         """The rank a worker ``(source, dp_rank)`` belongs to."""
+        by_worker = self._by_worker.get((source, dp_rank))
+        if by_worker is not None:
+            return by_worker
         state = self._by_source.get(source)
         if state is None:
             # a source name decorated by the subscriber (a topic suffix): longest prefix

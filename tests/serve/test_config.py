@@ -28,7 +28,7 @@ def test_engine_spec_without_replay() -> None:
     "bad",
     [
         "noequals",
-        "a=http://h:1",
+        "a=",
         "a b=http://h:1,tcp://h:2",
         "a=ftp://h:1,tcp://h:2",
         "a=http://h:1,h:2",
@@ -41,6 +41,17 @@ def test_engine_spec_without_replay() -> None:
 def test_engine_spec_errors(bad: str) -> None:
     with pytest.raises(ConfigError):
         parse_engine_spec(bad)
+
+
+def test_an_engine_without_events_is_refused_unless_they_come_from_jetstream() -> None:
+    """``NAME=HTTP_URL`` parses (``serve --nats``), but a service reading ZMQ refuses it."""
+    assert parse_engine_spec("a=http://h:1").events == ""
+    with pytest.raises(ConfigError, match="no events endpoint"):
+        load_config(engines=["a=http://h:1"], environ={})
+    config = load_config(
+        engines=["a=http://h:1"], options={"nats_url": "nats://h:4222"}, environ={}
+    )
+    assert config.engines[0].url == "http://h:1" and config.nats_url == "nats://h:4222"
 
 
 def test_toml_env_and_command_line(tmp_path: Path) -> None:
