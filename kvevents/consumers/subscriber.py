@@ -639,6 +639,12 @@ class SubscriberCore:
             if job is None:
                 self.stats.dropped["stale_replay"] += 1
                 return
+            if src.name in self._dropped:
+                # The live connection dropped and has not come back: the replay endpoint
+                # may already be a new process, whose batches must not extend the old
+                # streams before the identity check the reconnect runs.
+                self.stats.dropped["unverified_replay"] += 1
+                return
             job.replies += 1
             # The timeout bounds a replay without progress: every reply renews it.
             job.deadline = now + self.replay_timeout
@@ -865,6 +871,12 @@ class SubscriberCore:
         self._cut(src, (src.name, channel), job.topic)
         job.sent = False
         self._active -= 1
+        if src.name in self._dropped and job.catch_up is not None:
+            # Publisher gone (live connection dropped too): the reconnect asks for the
+            # ring again, after checking every stream's identity.
+            queue.popleft()
+            self.stats.replays["superseded"] += 1
+            return
         job.resends += 1
         if job.resends > _RESENDS:
             queue.popleft()
