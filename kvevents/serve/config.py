@@ -72,7 +72,7 @@ class EngineSpec:
 
     def rank_endpoints(self, rank: int) -> tuple[str, str | None]:
         """The events and replay endpoints of data-parallel rank ``rank``."""
-        from kvevents.publishers.factory import offset_endpoint
+        from kvevents.engines import offset_endpoint
 
         events = offset_endpoint(self.events, rank)
         assert events is not None

@@ -27,7 +27,6 @@ Nothing here needs the ``serve`` extra.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -241,15 +240,10 @@ class Fleet:
                     self.ranks.append(state)
                     self._by_source[name] = state
             # every stream is caught up from the start of its publisher's replay buffer
-            # (newer subscribers do it by default and call it catch_up)
-            params = inspect.signature(Subscriber.__init__).parameters
-            catch_up: dict[str, Any] = (
-                {"catch_up": True} if "catch_up" in params else {"replay_from_start": True}
-            )
             self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
                 replay_timeout=config.replay_timeout_s,
-                **catch_up,
+                catch_up=True,
             )
         except BaseException:
             for s in self._sources:
