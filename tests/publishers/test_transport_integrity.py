@@ -142,7 +142,7 @@ def test_idle_shutdown_confirms_batches_sent_long_before() -> None:
         pub.publish(big_batch(i, 10))
     for _ in range(5):
         recv(sub)
-    pub.shutdown()
+    pub.shutdown(timeout_s=10.0)  # returns as soon as all is confirmed written
     assert pub.stats.dropped_batches == 0 and pub.stats.batches_published == n + 5
     sub.close()
 
