@@ -98,6 +98,7 @@ from kvevents.consumers.sources import (
 )
 from kvevents.errors import ConfigError, DecodeError
 from kvevents.events import KVEventBatch
+from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
 
 __all__ = [
@@ -321,27 +322,6 @@ class _ReplayJob:
         return [(self.stream, self.replay_id)]
 
 
-class _RateLimitedLog:
-    """Log a warning per key at most once per ``interval`` seconds, with a skipped count."""
-
-    def __init__(self, interval: float = 5.0) -> None:
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._skipped: Counter[str] = Counter()
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -1e18) < self._interval:
-            self._skipped[key] += 1
-            return
-        skipped = self._skipped.pop(key, 0)
-        self._last[key] = now
-        if skipped:
-            logger.warning(msg + " (%d similar suppressed)", *args, skipped)
-        else:
-            logger.warning(msg, *args)
-
-
 EndpointSpec = Union[str, Source]
 ReplaySpec = Union[Sequence[Union[str, None]], Mapping[str, str], None]
 
@@ -455,7 +435,7 @@ class SubscriberCore:
         self._cut_channels: set[ChannelKey] = set()
         self._names: dict[tuple[str, bytes], str] = {}
         self._owner: dict[Any, Source] = {}
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         self._closed = False
         if catch_up:
             self._catch_up_sources()

@@ -84,6 +84,7 @@ from kvevents.errors import ConfigError, EncodeError, PublisherClosedError
 from kvevents.events import EventBatch
 from kvevents.publishers.config import validate_endpoint
 from kvevents.publishers.factory import offset_endpoint
+from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveServerConfig, apply_curve_server
 
 __all__ = [
@@ -161,27 +162,6 @@ class PublisherStats:
     replay_refusals: Counter[str] = field(default_factory=Counter)
     replay_peer_disconnects: int = 0
     internal_errors: int = 0
-
-
-class _RateLimitedLog:
-    """Log a warning at most once per ``interval_s``, reporting how many were suppressed."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._next = 0.0
-        self._suppressed = 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        suppressed, self._suppressed = self._suppressed, 0
-        self._next = now + self.interval_s
-        if suppressed:
-            logger.warning(msg + " (%d similar messages suppressed)", *args, suppressed)
-        else:
-            logger.warning(msg, *args)
 
 
 @dataclass
@@ -401,9 +381,9 @@ class ZmqEventPublisher:
         self._closing = threading.Event()
         self._deadline = 0.0
         self._budget = self.shutdown_timeout_s
-        self._drop_log = _RateLimitedLog(warn_interval_s)
-        self._error_log = _RateLimitedLog(warn_interval_s)
-        self._request_log = _RateLimitedLog(warn_interval_s)
+        self._drop_log = RateLimitedLog(logger, warn_interval_s)
+        self._error_log = RateLimitedLog(logger, warn_interval_s)
+        self._request_log = RateLimitedLog(logger, warn_interval_s)
         # Test hook: a way to stall the sender thread deterministically.
         self._pause_requested = False
         self._paused = threading.Event()
@@ -489,6 +469,7 @@ class ZmqEventPublisher:
             except queue.Full:
                 self._count_drop("queue_full", len(batch.events))
         self._drop_log.warning(
+            "drop",
             "KV event queue full (max_queue_size=%d): dropped batch seq %d; "
             "dropped %d batches so far",
             self.max_queue_size,
@@ -668,7 +649,7 @@ class ZmqEventPublisher:
         except EncodeError as exc:
             self.stats.encode_errors += 1
             self._count_drop_locked("encode_error", len(batch.events))
-            self._error_log.warning("dropped KV event batch seq %d: %s", seq, exc)
+            self._error_log.warning("error", "dropped KV event batch seq %d: %s", seq, exc)
             return
         tracker = None
         try:
@@ -683,7 +664,7 @@ class ZmqEventPublisher:
         except zmq.ZMQError as exc:
             self.stats.send_errors += 1
             self._count_drop_locked("send_error", len(batch.events))
-            self._error_log.warning("could not send KV event batch seq %d: %s", seq, exc)
+            self._error_log.warning("error", "could not send KV event batch seq %d: %s", seq, exc)
             return
         self.stats.batches_published += 1
         self.stats.events_published += len(batch.events)
@@ -717,7 +698,7 @@ class ZmqEventPublisher:
             self.stats.malformed_requests += 1
         else:
             self.stats.replay_requests_refused += 1
-        self._request_log.warning("refused a replay request (%s): %s", reason, detail)
+        self._request_log.warning("request", "refused a replay request (%s): %s", reason, detail)
 
     def _accept_requests(self) -> None:
         router = self._router
@@ -922,7 +903,7 @@ class ZmqEventPublisher:
             if exc.errno == zmq.EHOSTUNREACH:
                 return "gone"
             self.stats.send_errors += 1
-            self._error_log.warning("replay send failed: %s", exc)
+            self._error_log.warning("error", "replay send failed: %s", exc)
             return "gone"
         return "progress" if sent or cursor.end_sent else "stalled"
 
@@ -931,7 +912,7 @@ class ZmqEventPublisher:
         self.stats.replay_batches_dropped += cursor.remaining
         self.stats.replay_drop_reasons[reason] += cursor.remaining
         self._request_log.warning(
-            "abandoned a replay (%s) with %d replies unsent", reason, cursor.remaining
+            "request", "abandoned a replay (%s) with %d replies unsent", reason, cursor.remaining
         )
 
     # --- shutdown ---------------------------------------------------------------------
