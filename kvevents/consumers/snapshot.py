@@ -76,7 +76,7 @@ def _plain(x: Any) -> bool:
     """A primitive msgpack carries as is, or a tuple of such (or of such tuples)."""
     t = type(x)
     if t is int:
-        return _I64_MIN <= x <= _U64_MAX
+        return bool(_I64_MIN <= x <= _U64_MAX)
     if t in _PRIM:
         return True
     if t is tuple:

@@ -477,7 +477,7 @@ class CaptureSource:
     def bytes_read(self) -> int:
         """Bytes of the file read so far (header and good records): progress over the
         file's size."""
-        return self._reader.good_bytes
+        return int(self._reader.good_bytes)
 
     @property
     def skipped(self) -> list[SkippedRange]:

@@ -116,7 +116,7 @@ def publish_capture(
 
 def add_relay_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``relay`` to the ``kvevents`` subcommands; returns its parser."""
-    p = sub.add_parser(
+    p: argparse.ArgumentParser = sub.add_parser(
         "relay",
         help="follow engines and append their batches to a NATS JetStream stream",
         description="Subscribe to engines (catch-up from the oldest seq each still holds, gap "

@@ -216,7 +216,8 @@ def _read_toml(path: str) -> dict[str, Any]:
             raise ConfigError("reading a TOML config on Python 3.10 needs 'tomli'") from exc
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data: dict[str, Any] = tomllib.load(f)
+            return data
     except OSError as exc:
         raise ConfigError(f"cannot read config {path!r}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:

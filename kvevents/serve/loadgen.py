@@ -110,7 +110,7 @@ class LoadgenReport:
         vals = sorted(v for r in self.ok if (v := getattr(r, what)) is not None)
         if not vals:
             return None
-        return vals[min(len(vals) - 1, int(q * len(vals)))]
+        return float(vals[min(len(vals) - 1, int(q * len(vals)))])
 
     def to_json(self) -> dict[str, Any]:
         ok = self.ok

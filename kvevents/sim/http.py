@@ -34,13 +34,16 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.errors import ConfigError
 from kvevents.sim.block_pool import KVCacheGroupSpec
 from kvevents.sim.engine import RequestResult, SimEngine, SimEngineConfig
 from kvevents.sim.tokenizer import SimTokenizer
 from kvevents.sim.workload import SimRequest
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 __all__ = ["SimHTTPConfig", "SimHTTPEngine", "default_http_engine", "run_sim_fleet"]
 
@@ -296,7 +299,8 @@ class SimHTTPEngine:
             if not isinstance(body, dict):
                 return _error(JSONResponse, "the request body must be a JSON object", 400)
             try:
-                return await handler(body)
+                response: Response = await handler(body)
+                return response
             except (_BadRequest, ConfigError) as exc:
                 return _error(JSONResponse, str(exc), getattr(exc, "status", 400))
 
@@ -602,12 +606,13 @@ class SimHTTPEngine:
             return
 
 
-def _error(response_cls: Any, message: str, status: int) -> Any:
+def _error(response_cls: Any, message: str, status: int) -> Response:
     kind = "NotFoundError" if status == 404 else "BadRequestError"
-    return response_cls(
+    response: Response = response_cls(
         {"object": "error", "message": message, "type": kind, "param": None, "code": status},
         status_code=status,
     )
+    return response
 
 
 async def run_sim_fleet(

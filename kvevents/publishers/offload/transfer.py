@@ -275,7 +275,7 @@ class CPUTransferWorker:
     def _stream(self, direction: str) -> Any:
         stream = self._streams.get(direction)
         if stream is None:
-            stream = torch.cuda.Stream(device=self.buffers.device)
+            stream = torch.cuda.Stream(device=self.buffers.device)  # type: ignore[no-untyped-call]
             self._streams[direction] = stream
         return stream
 
@@ -319,8 +319,8 @@ class CPUTransferWorker:
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")
         compute = torch.cuda.current_stream(self.buffers.device)
-        job.start_event = torch.cuda.Event(enable_timing=True)
-        job.end_event = torch.cuda.Event(enable_timing=True)
+        job.start_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        job.end_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             stream.wait_stream(compute)  # stores wait for the model's writes
             if self._last_end is not None:
