@@ -30,12 +30,12 @@ from typing import Any
 
 import zmq
 
-from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.codec import pack_replay_request, parse_replay_reply
 from kvevents.consumers.seqtrack import PUBLISHER_RESTART
 from kvevents.consumers.sources import ZmqSource
 from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
 from kvevents.engines import EngineSpec
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, FrameError
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import (
     DEFAULT_STREAM,
@@ -247,15 +247,11 @@ class JetStreamRelay:
             frames = dealer.recv_multipart()
         finally:
             dealer.close(0)
-        if len(frames) == 4:
-            seq_frame, data = frames[2], frames[3]
-        elif len(frames) == 3:
-            seq_frame, data = frames[1], frames[2]
-        else:
+        try:
+            reply = parse_replay_reply(frames)
+        except FrameError:
             return False
-        if seq_frame == END_SEQ or len(seq_frame) != 8:
-            return False
-        return int.from_bytes(seq_frame, "big") == seq and data == payload
+        return not reply.is_end and reply.seq == seq and reply.payload == payload
 
     # --- relaying ---------------------------------------------------------------------
     def _headers_for(self, rb: ReceivedBatch) -> BatchHeaders | None:
