@@ -53,7 +53,13 @@ def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
 
 
 def stats_snapshot(stats: Any) -> dict[str, Any]:
-    """A JSON-ready copy of a stats dataclass (``Counter`` fields become dicts)."""
+    """A JSON-ready copy of a stats dataclass (``Counter`` fields become dicts).
+
+    Raises :class:`~kvevents.errors.MetricsError` (a ``TypeError``) if ``stats`` is not a
+    dataclass instance.
+    """
+    if not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+        raise MetricsError(f"{stats!r} is not a stats dataclass instance")
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         value = getattr(stats, f.name)
