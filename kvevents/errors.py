@@ -12,6 +12,7 @@ __all__ = [
     "CaptureError",
     "ConfigError",
     "DecodeError",
+    "DuplicateNameError",
     "EncodeError",
     "FrameError",
     "KVEventsError",
@@ -78,3 +79,9 @@ def require_module(module: str, extra: str, what: str) -> None:
         raise MissingDependencyError(
             f"{what} needs {module}, which is not installed: pip install 'kvevents[{extra}]'"
         )
+
+
+class DuplicateNameError(KVEventsError, KeyError):
+    """A name is registered twice (a publisher kind, a cache policy).
+
+    Also a ``KeyError``, which is what vLLM raises for a duplicate registration."""
