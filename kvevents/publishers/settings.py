@@ -17,6 +17,7 @@ __all__ = [
     "check_int",
     "check_seconds",
     "validate_publisher_fields",
+    "validate_zmq_tuning",
 ]
 
 
@@ -79,3 +80,37 @@ def validate_publisher_fields(
             "curve_authorized_keys_dir needs curve_secret_key_file (the publisher's "
             ".key_secret file) as well"
         )
+
+
+def validate_zmq_tuning(
+    topic: str,
+    *,
+    counts: dict[str, object],
+    seconds: dict[str, object],
+) -> None:
+    """Check ``ZmqEventPublisher``'s keyword-only tuning (not part of vLLM's config).
+
+    ``counts`` maps each count or size setting (``track_every``, ``replay_slice``,
+    ``replay_max_reply_bytes`` …) to its value, which must be an int ``>= 1``;
+    ``replay_max_message_bytes`` (when given) must be ``>= 64`` (a request is 8 bytes
+    plus framing) and ``max_subscription_bytes`` (when given) must exceed the UTF-8
+    length of ``topic`` (a subscription is the topic prefix plus one byte).
+    ``seconds`` maps each duration setting to its value, a number ``>= 0``.  Raises
+    :class:`ConfigError` on the first value that breaks a rule.
+    """
+    for name, value in counts.items():
+        check_count(name, value)
+    message_bytes = counts.get("replay_max_message_bytes")
+    if isinstance(message_bytes, int) and message_bytes < 64:
+        raise ConfigError(
+            f"replay_max_message_bytes must be >= 64 (a request is 8 bytes plus "
+            f"framing), got {message_bytes}"
+        )
+    subscription_bytes = counts.get("max_subscription_bytes")
+    if isinstance(subscription_bytes, int) and subscription_bytes <= len(topic.encode("utf-8")):
+        raise ConfigError(
+            f"max_subscription_bytes must exceed the topic's length (a subscription "
+            f"is the topic prefix plus one byte), got {subscription_bytes}"
+        )
+    for name, value in seconds.items():
+        check_seconds(name, value)

@@ -82,7 +82,7 @@ from kvevents.events import EventBatch
 from kvevents.publishers.delivery import DeliveryMarks
 from kvevents.publishers.publisher_stats import REFUSAL_REASONS, PublisherStats, count_drop
 from kvevents.publishers.replay_service import ReplayService
-from kvevents.publishers.settings import check_count, check_seconds, validate_publisher_fields
+from kvevents.publishers.settings import validate_publisher_fields, validate_zmq_tuning
 from kvevents.publishers.zmq_sender import SenderThread
 from kvevents.publishers.zmq_sockets import PublisherSockets
 from kvevents.ratelimit import RateLimitedLog
@@ -193,37 +193,28 @@ class ZmqEventPublisher:
         )
         if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int):
             raise ConfigError(f"data_parallel_rank must be an int, got {data_parallel_rank!r}")
-        for name, value in (
-            ("track_every", track_every),
-            ("replay_slice", replay_slice),
-            ("live_burst", live_burst),
-            ("max_pending_replays", max_pending_replays),
-            ("replay_max_clients", replay_max_clients),
-            ("replay_max_reply_bytes", replay_max_reply_bytes),
-            ("replay_max_client_bytes", replay_max_client_bytes),
-            ("replay_max_bytes_in_flight", replay_max_bytes_in_flight),
-            ("replay_sndhwm", replay_sndhwm),
-            ("replay_max_message_bytes", replay_max_message_bytes),
-            ("max_subscription_bytes", max_subscription_bytes),
-        ):
-            check_count(name, value)
-        if replay_max_message_bytes < 64:
-            raise ConfigError(
-                f"replay_max_message_bytes must be >= 64 (a request is 8 bytes plus "
-                f"framing), got {replay_max_message_bytes}"
-            )
-        if max_subscription_bytes <= len(topic.encode("utf-8")):
-            raise ConfigError(
-                f"max_subscription_bytes must exceed the topic's length (a subscription "
-                f"is the topic prefix plus one byte), got {max_subscription_bytes}"
-            )
-        for name, seconds in (
-            ("shutdown_timeout_s", shutdown_timeout_s),
-            ("replay_stall_timeout_s", replay_stall_timeout_s),
-            ("idle_poll_s", idle_poll_s),
-            ("warn_interval_s", warn_interval_s),
-        ):
-            check_seconds(name, seconds)
+        validate_zmq_tuning(
+            topic,
+            counts={
+                "track_every": track_every,
+                "replay_slice": replay_slice,
+                "live_burst": live_burst,
+                "max_pending_replays": max_pending_replays,
+                "replay_max_clients": replay_max_clients,
+                "replay_max_reply_bytes": replay_max_reply_bytes,
+                "replay_max_client_bytes": replay_max_client_bytes,
+                "replay_max_bytes_in_flight": replay_max_bytes_in_flight,
+                "replay_sndhwm": replay_sndhwm,
+                "replay_max_message_bytes": replay_max_message_bytes,
+                "max_subscription_bytes": max_subscription_bytes,
+            },
+            seconds={
+                "shutdown_timeout_s": shutdown_timeout_s,
+                "replay_stall_timeout_s": replay_stall_timeout_s,
+                "idle_poll_s": idle_poll_s,
+                "warn_interval_s": warn_interval_s,
+            },
+        )
 
         self.data_parallel_rank = data_parallel_rank
         self.requested_endpoint: str = offset_endpoint(endpoint, data_parallel_rank) or endpoint
@@ -412,13 +403,11 @@ class ZmqEventPublisher:
     # --- views for tests and benchmarks ---------------------------------------------------
 
     @property
-    def _buffer(self) -> deque[tuple[int, bytes]]:
-        """The replay ring of ``(seq, payload)`` (read-only use)."""
+    def _buffer(self) -> deque[tuple[int, bytes]]:  # the replay ring of (seq, payload)
         return self._sender.buffer
 
     @property
-    def _pending(self) -> int:
-        """Replays in progress."""
+    def _pending(self) -> int:  # replays in progress
         return 0 if self._replay is None else self._replay.pending
 
     def _pause_sender(self, timeout_s: float = 5.0) -> None:
