@@ -82,6 +82,6 @@ def require_module(module: str, extra: str, what: str) -> None:
 
 
 class DuplicateNameError(KVEventsError, KeyError):
-    """A name is registered twice (a publisher kind, a cache policy).
+    """A publisher kind is registered twice.
 
     Also a ``KeyError``, which is what vLLM raises for a duplicate registration."""

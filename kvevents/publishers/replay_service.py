@@ -36,7 +36,7 @@ class ReplayCursor:
     snapshot: list[tuple[int, bytes]]
     position: int
     end_sent: bool = False
-    stalled_since: float | None = None
+    stalled_since_s: float | None = None
 
     @property
     def remaining(self) -> int:
@@ -226,11 +226,11 @@ class ReplayService:
                 outcome = self._advance(router, peer, cursor)
                 if outcome == "progress":
                     progressed = True
-                    cursor.stalled_since = None
+                    cursor.stalled_since_s = None
                 elif outcome == "stalled":
-                    if cursor.stalled_since is None:
-                        cursor.stalled_since = now
-                    elif now - cursor.stalled_since >= self.stall_timeout_s:
+                    if cursor.stalled_since_s is None:
+                        cursor.stalled_since_s = now
+                    elif now - cursor.stalled_since_s >= self.stall_timeout_s:
                         # Its later requests would stall behind this one: drop them all.
                         while cursors:
                             self.abandon(cursors.popleft(), "client_stalled")
