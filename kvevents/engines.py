@@ -9,7 +9,7 @@ One engine is one publisher of KV events (one vLLM API server), written
   apart by scheme, and commands that only forward HTTP accept ``NAME=HTTP_URL`` alone;
 * ``EVENTS_ENDPOINT`` / ``REPLAY_ENDPOINT`` are the ZMQ endpoints of its publisher;
 * ``;dp=N`` says the engine runs ``N`` data-parallel ranks; rank ``r`` publishes on the
-  endpoints offset by vLLM's rule (:func:`offset_endpoint`: tcp port + r);
+  endpoints offset by vLLM's rule (:func:`~kvevents.endpoints.offset_endpoint`, re-exported here: tcp port + r);
 * ``;topic=T`` subscribes to topic ``T`` only (several engines behind one proxy).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvevents.endpoints import offset_endpoint
 from kvevents.errors import ConfigError
 
 __all__ = ["ENGINE_NAME_RE", "EngineSpec", "offset_endpoint", "parse_engine_spec"]
@@ -27,45 +28,6 @@ ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 _HTTP = ("http://", "https://")
 _ZMQ = ("tcp://", "ipc://", "inproc://")
-
-
-def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """The endpoint data-parallel rank ``data_parallel_rank`` uses (vLLM's rule).
-
-    * ``None`` → ``None``; rank 0 → ``endpoint`` unchanged;
-    * ``inproc://name`` → ``inproc://name_dp{rank}``;
-    * ``tcp://host:port`` → ``tcp://host:{port + rank}``; port 0 (OS-assigned) stays 0;
-    * any other transport (``ipc://`` …) with rank ≥ 1 → :class:`ConfigError`, which
-      is a ``ValueError`` as in vLLM.
-    """
-    if endpoint is None:
-        return None
-    if data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if endpoint.startswith("tcp://"):
-        base, sep, port_text = endpoint.rpartition(":")
-        if not sep or not port_text.isdigit() or base == "tcp":
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                "it does not end in ':<port>'"
-            )
-        port = int(port_text)
-        if port == 0:
-            return endpoint
-        new_port = port + data_parallel_rank
-        if new_port > 65535:
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                f"port {new_port} is above 65535"
-            )
-        return f"{base}:{new_port}"
-    raise ConfigError(
-        f"cannot derive an endpoint for data-parallel rank {data_parallel_rank} from "
-        f"{endpoint!r}: only tcp:// (port + rank) and inproc:// (_dp<rank> suffix) "
-        "endpoints can be offset; give each rank its own config"
-    )
 
 
 @dataclass(frozen=True)

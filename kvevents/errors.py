@@ -13,6 +13,7 @@ __all__ = [
     "CaptureError",
     "ConfigError",
     "DecodeError",
+    "DuplicateNameError",
     "EncodeError",
     "FrameError",
     "KVEventsError",
@@ -89,3 +90,9 @@ def require_module(module: str, extra: str, what: str) -> None:
         raise MissingDependencyError(
             f"{what} needs {module}, which is not installed: pip install 'kvevents[{extra}]'"
         )
+
+
+class DuplicateNameError(KVEventsError, KeyError):
+    """A publisher kind is registered twice.
+
+    Also a ``KeyError``, which is what vLLM raises for a duplicate registration."""

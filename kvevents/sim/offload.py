@@ -27,19 +27,33 @@ skipped (counted in ``stats.transfers_skipped``).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, OffloadError
 from kvevents.events import KVEvent
+from kvevents.publishers.offload import (
+    CPULoadStoreSpec,
+    CPUOffloadingManager,
+    GPULoadStoreSpec,
+    OffloadEventTranslator,
+    OffloadGroup,
+    OffloadKey,
+    ReqContext,
+    make_offload_key,
+)
 from kvevents.sim.block_pool import NULL_BLOCK
+
+if TYPE_CHECKING:  # torch is optional: the transfer module is imported when used
+    import torch
+
+    from kvevents.publishers.offload.transfer import CPUTransferWorker
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
@@ -74,8 +88,8 @@ class OffloadSimStats:
 
 @dataclass
 class _PendingStore:
-    keys: list[bytes]
-    ctx: Any
+    keys: list[OffloadKey]
+    ctx: ReqContext
     jobs: set[int]
     ok: bool = True
     epoch: int = 0
@@ -98,8 +112,6 @@ class SimOffload:
         eagle_drop: bool = False,
         windows: Sequence[int | None] | None = None,
     ) -> None:
-        off: Any = importlib.import_module("kvevents.publishers.offload")
-        self._off = off
         self.blocks_per_chunk = blocks_per_chunk
         self.eagle_drop = eagle_drop
         self.block_sizes = list(block_sizes)
@@ -118,30 +130,30 @@ class SimOffload:
             g for g, w in enumerate(self.windows) if w is not None
         ]
         self.page_bytes = page_bytes
-        self.manager = off.CPUOffloadingManager(
+        self.manager = CPUOffloadingManager(
             num_chunks, cache_policy=cache_policy, enable_events=True
         )
-        self.translator = off.OffloadEventTranslator(
-            [off.OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
+        self.translator = OffloadEventTranslator(
+            [OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
         )
         self.stats = OffloadSimStats()
         self._pending: list[_PendingStore] = []
         self._epoch = 0
         self._finished_jobs: dict[int, bool] = {}
         self._job_ids = itertools.count()
-        self._ctx: dict[str, Any] = {}
+        self._ctx: dict[str, ReqContext] = {}
         self._offered: dict[str, list[int]] = {}
-        self._torch: Any = None
-        self.kv: Any = None
-        self.worker: Any = None
+        self._torch: ModuleType | None = None
+        self.kv: torch.Tensor | None = None
+        self.worker: CPUTransferWorker | None = None
         self._skip_reason = ""
         if not transfers:
             self._skip_reason = "disabled"
         else:
-            try:
+            try:  # optional dependency: torch, and the transfer module that needs it
                 import torch
 
-                transfer: Any = importlib.import_module("kvevents.publishers.offload.transfer")
+                from kvevents.publishers.offload.transfer import CPUTransferWorker
             except ImportError:
                 self._skip_reason = "torch_missing"
             else:
@@ -149,21 +161,21 @@ class SimOffload:
                     raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
                 self._torch = torch
                 self.kv = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.int8, device=device)
-                self.worker = transfer.CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
+                self.worker = CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
         if self._skip_reason:
             logger.info("simulated offload runs without byte transfers (%s)", self._skip_reason)
 
     # --- keys ---------------------------------------------------------------------------
-    def key(self, raw: Sequence[bytes], group: int, chunk: int) -> bytes:
+    def key(self, raw: Sequence[bytes], group: int, chunk: int) -> OffloadKey:
         """The offload key of ``chunk`` in ``group`` for a request with raw hashes ``raw``."""
         digest = raw[(chunk + 1) * self.hashes_per_chunk[group] - 1]
-        return bytes(self._off.make_offload_key(digest, group))
+        return make_offload_key(digest, group)
 
-    def context(self, req_id: str) -> Any:
+    def context(self, req_id: str) -> ReqContext:
         """The request's ``ReqContext`` (created on first use)."""
         ctx = self._ctx.get(req_id)
         if ctx is None:
-            ctx = self._ctx[req_id] = self._off.ReqContext(req_id=req_id)
+            ctx = self._ctx[req_id] = ReqContext(req_id=req_id)
         return ctx
 
     # --- scheduler-side calls -----------------------------------------------------------
@@ -272,7 +284,7 @@ class SimOffload:
             try:
                 if self.worker is not None and last > first:
                     job = next(self._job_ids)
-                    dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
+                    dst = GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
                     self.worker.submit_load(job, spec, dst)
                     self.worker.wait([job])
                     self.stats.blocks_copied_to_device += last - first
@@ -289,8 +301,8 @@ class SimOffload:
         copy the accepted ones to host memory.  Returns the number of keys offered."""
         ctx = self.context(req_id)
         offered = self._offered.setdefault(req_id, [0] * len(self.block_sizes))
-        keys: list[bytes] = []
-        where: dict[bytes, tuple[int, int]] = {}
+        keys: list[OffloadKey] = []
+        where: dict[OffloadKey, tuple[int, int]] = {}
         for g, tpc in enumerate(self.tokens_per_chunk):
             n_chunks = min(upto, len(raw) * self.unit) // tpc
             bpc = self.blocks_per_chunk
@@ -309,10 +321,12 @@ class SimOffload:
         if out is None:
             self.stats.stores_rejected += 1
             return len(keys)
-        to_store = [bytes(k) for k in out.keys_to_store]
+        to_store = list(out.keys_to_store)
         if not to_store:
             return len(keys)
         pending = _PendingStore(to_store, ctx, set(), epoch=self._epoch)
+        if not isinstance(out.store_spec, CPULoadStoreSpec):
+            raise OffloadError("the manager's store spec is not a CPU chunk spec")
         chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
@@ -325,7 +339,7 @@ class SimOffload:
                     c = where[k][1]
                     src.extend(blocks[g][c * bpc : (c + 1) * bpc])
                 job = next(self._job_ids)
-                dst = self._off.CPULoadStoreSpec([row for _, row in mine])
+                dst = CPULoadStoreSpec([row for _, row in mine])
                 self.worker.submit_store(job, src, dst)
                 pending.jobs.add(job)
                 self.stats.blocks_copied_to_host += len(src)
@@ -394,6 +408,7 @@ class SimOffload:
         if self.kv is None:
             return
         torch = self._torch
+        assert torch is not None  # set together with self.kv
         ids: list[int] = []
         data = bytearray()
         for g, bs in enumerate(self.block_sizes):
@@ -424,6 +439,7 @@ class SimOffload:
             if not kept:
                 continue
             ids = [blocks[g][i] for i in kept]
+            assert self._torch is not None  # set together with self.kv
             index = self._torch.tensor(ids, device=self.kv.device)
             got = self.kv.index_select(0, index).cpu().numpy().tobytes()
             p = self.page_bytes
