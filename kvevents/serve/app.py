@@ -227,7 +227,7 @@ class ServeApp:
         client = self.clients[name]
         timeout = httpx.Timeout(max(1.0, self.config.scrape_interval_s * 2), connect=1.0)
         try:
-            r = await client.get(spec.url + "/metrics", timeout=timeout)
+            r = await client.get(spec.http_base() + "/metrics", timeout=timeout)
             if r.status_code == 200:
                 per_rank = parse_engine_metrics(r.text)
                 for rank, g in per_rank.items():
@@ -241,7 +241,7 @@ class ServeApp:
                     )
             self.fleet.mark_up(name)
             if models or not self.models:
-                await self._fetch_models(spec.name, spec.url)
+                await self._fetch_models(spec.name, spec.http_base())
         except httpx.TransportError as exc:
             self.metrics.upstream_errors.labels(name, "scrape").inc()
             self.fleet.mark_down(name, f"/metrics: {type(exc).__name__}")
@@ -285,7 +285,7 @@ class ServeApp:
         for i in range(len(specs)):
             spec = specs[(start + i) % len(specs)]
             try:
-                r = await self.clients[spec.name].post(spec.url + "/tokenize", json=payload)
+                r = await self.clients[spec.name].post(spec.http_base() + "/tokenize", json=payload)
             except httpx.TransportError as exc:
                 self.metrics.upstream_errors.labels(spec.name, "tokenize").inc()
                 self.fleet.mark_down(spec.name, f"/tokenize: {type(exc).__name__}")
@@ -358,7 +358,7 @@ class ServeApp:
             uncached = max(0, len(tokens) - cand.match.total)
             self.loads.started(st.label, uncached)
             client = self.clients[name]
-            req = client.build_request("POST", st.engine.url + path, content=raw, headers=h)
+            req = client.build_request("POST", st.engine.http_base() + path, content=raw, headers=h)
             try:
                 resp = await client.send(req, stream=True)
             except (
@@ -476,7 +476,7 @@ class ServeApp:
         merged: dict[str, dict[str, Any]] = {}
         lists = await asyncio.gather(
             *(
-                self._fetch_models(s.name, s.url)
+                self._fetch_models(s.name, s.http_base())
                 for s in self.config.engines
                 if self.fleet.is_up(s.name)
             )
@@ -550,7 +550,7 @@ class ServeApp:
                     "worker": st.label,
                     "engine": st.engine.name,
                     "rank": st.rank,
-                    "url": st.engine.url,
+                    "url": st.engine.http_base(),
                     "events_endpoint": st.events_endpoint,
                     "replay_endpoint": st.replay_endpoint,
                     "up": up,
