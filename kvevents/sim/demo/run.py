@@ -1,23 +1,10 @@
-"""The one-command demo: simulated engines behind ``kvevents serve``, driven over HTTP.
+"""Running the demo: for each policy, fresh simulated engines behind ``kvevents serve``
+on loopback, the load generator driving the workload through it, and the engines' own
+counters read as ground truth.
 
-For each policy (KV-aware, KV-aware on the GPU tier only, round-robin, random)
-:func:`run_demo` starts fresh simulated engines, each with an OpenAI-compatible HTTP
-front and a KV-event publisher, puts ``kvevents serve`` with that policy in front of
-them (its subscriber, block index and router, all on real ZMQ and HTTP on loopback), and
-sends the same seeded multi-turn chat workload through the service with the load
-generator (``kvevents loadgen``), so what it reports is what a user's clients would see:
-requests arrive while earlier answers are still streaming, and the index routes on the
-events it has received by then.
-
-The GPU-only KV-aware router is fed only the GPU events (as routers that drop events
-without tokens are: CPU offload placeholders carry none), so it cannot see what the CPU
-tier holds; the difference between the two KV-aware rows is what the join is worth.
-
-Hit rates are what the engines actually reused (ground truth, from the engines' own
-counters), per tier: ``gpu_hit_tokens / prompt_tokens`` and ``cpu_hit_tokens /
-prompt_tokens``.  The service checks every prediction against the ``cached_tokens`` the
-engine reported (its online truth check); time to first token and throughput are the
-load generator's.
+One job: :func:`run_policy` and :func:`run_demo`.  Imports the capture writer, the demo's
+config and results; the service, load generator and simulated HTTP engines (the
+``serve`` extra) only when a policy runs.
 """
 
 from __future__ import annotations
@@ -25,200 +12,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any
 
 from kvevents.capture import CaptureWriter
 from kvevents.errors import ConfigError
-from kvevents.sim.block_pool import KVCacheGroupSpec
+from kvevents.sim.demo.config import POLICIES, DemoConfig
+from kvevents.sim.demo.results import DemoReport, PolicyResult
 from kvevents.sim.engine import SimEngineConfig
-from kvevents.sim.workload import SimRequest
 
-__all__ = [
-    "POLICIES",
-    "POLICY_LABELS",
-    "DemoConfig",
-    "DemoReport",
-    "PolicyResult",
-    "format_report",
-    "report_to_json",
-    "run_demo",
-    "run_policy",
-    "waves",
-    "write_plot",
-]
+__all__ = ["DemoFleet", "DemoWorker", "run_demo", "run_policy"]
 
 logger = logging.getLogger(__name__)
 
-POLICIES: tuple[str, ...] = ("kv-aware", "kv-aware-gpu", "round-robin", "random")
-"""The routing policies the demo compares (``kv-aware-gpu``: KV-aware on GPU events only)."""
 
-POLICY_LABELS: dict[str, str] = {"kv-aware-gpu": "kv-aware (GPU only)"}
-"""How the report names a policy, where it differs from its id."""
-
-_KV_AWARE = ("kv-aware", "kv-aware-gpu")
-
-WorkerId = tuple[str, int]
-
-
-def _default_engine() -> SimEngineConfig:
-    return SimEngineConfig(
-        groups=(KVCacheGroupSpec(16),),
-        num_gpu_blocks=96,
-        num_cpu_chunks=128,
-        blocks_per_chunk=4,
-        decode_tokens_per_step=16,
-        max_running=8,
-    )
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the demo runs.  ``engine=None`` picks the default shape: one group of
-    16-token blocks, 96 GPU blocks and 128 CPU chunks of 4 blocks per engine (small
-    enough that placement matters).  ``wave`` is how many requests arrive between two
-    catch-ups of the index.  ``bind`` is the engines' PUB endpoint (see
-    :class:`~kvevents.sim.cluster.ClusterConfig`; a fixed port lets ``kvevents record``
-    follow the engines).  ``hold_s`` keeps each policy's engines up that many seconds
-    before routing starts and after it ends, so outside subscribers have time to
-    connect (ZMQ retries a refused connection only every ~100 ms) and to fetch replays.
-    ``device`` holds the engines' simulated KV cache (``"cuda"`` moves the offload copies
-    through CUDA streams and pinned host memory).  ``record_path`` writes every batch the
-    service's subscriber receives to a capture file (all policies, each its own engines).
-    ``concurrency`` is how many requests the load generator keeps in flight;
-    ``step_s`` / ``prefill_s_per_token`` the simulated engines' timing (100 µs per prompt
-    token computed: 10k tokens/s of prefill, so reuse shows in time to first token); with
-    ``dp_ranks`` > 1 every rank is its own simulated engine with its own HTTP front;
-    ``load_tokens`` is the service's price of a request in flight (``--load-tokens``)."""
-
-    engines: int = 4
-    requests: int = 320
-    seed: int = 0
-    concurrency: int = 8
-    dp_ranks: int = 1
-    tenants: int = 4
-    concurrent_sessions: int = 16
-    policies: tuple[str, ...] = POLICIES
-    engine: SimEngineConfig | None = None
-    catch_up_timeout_s: float = 20.0
-    bind: str = "tcp://127.0.0.1:0"
-    hold_s: float = 0.0
-    device: str = "cpu"
-    record_path: str | None = None
-    step_s: float = 0.002
-    prefill_s_per_token: float = 1e-4
-    load_tokens: float = 64.0
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> DemoConfig:
-        """A seconds-long run (fewer engines and requests)."""
-        base = cls(engines=3, requests=72, concurrent_sessions=9, tenants=3, concurrency=6)
-        return replace(base, **overrides)
-
-    def engine_config(self) -> SimEngineConfig:
-        """The engine shape: :attr:`engine`, else the default, on :attr:`device`."""
-        base = self.engine or _default_engine()
-        return base if self.device == "cpu" else replace(base, device=self.device)
-
-    def loadgen(self, url: str) -> Any:
-        """The load generator's configuration against ``url``."""
-        from kvevents.serve.loadgen import LoadgenConfig
-
-        return LoadgenConfig(
-            url,
-            requests=self.requests,
-            tenants=self.tenants,
-            sessions=self.concurrent_sessions,
-            concurrency=self.concurrency,
-            seed=self.seed,
-        )
-
-
-@dataclass
-class PolicyResult:
-    """What one policy achieved on the workload (tokens are prompt tokens)."""
-
-    policy: str
-    requests: int = 0
-    prompt_tokens: int = 0
-    gpu_hit_tokens: int = 0
-    cpu_hit_tokens: int = 0
-    computed_tokens: int = 0
-    predicted_tokens: int = 0
-    predicted_exact: int = 0
-    batches: int = 0
-    events: int = 0
-    wall_s: float = 0.0
-    """Seconds spent routing and serving the workload (after start-up)."""
-    consume_s: float = 0.0
-    anomalies: Counter[str] = field(default_factory=Counter)
-    anomaly_details: list[str] = field(default_factory=list)
-    requests_per_worker: Counter[str] = field(default_factory=Counter)
-    saved_curve: list[int] = field(default_factory=list)
-    index_holdings: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    """What the index held at the end: per ``source#rank`` and tier, (entries, tokens)."""
-    reported_cached_tokens: int = 0
-    """Σ ``cached_tokens`` the engines reported to the clients."""
-    failed: int = 0
-    ttft_p50_s: float | None = None
-    ttft_p99_s: float | None = None
-    requests_per_s: float = 0.0
-
-    @property
-    def tokens_saved(self) -> int:
-        return self.gpu_hit_tokens + self.cpu_hit_tokens
-
-    def rate(self, tokens: int) -> float:
-        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of prompt tokens reused from any tier."""
-        return self.rate(self.tokens_saved)
-
-    @property
-    def events_per_s(self) -> float:
-        return self.events / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class DemoReport:
-    """All policies' results, with the configuration that produced them."""
-
-    config: DemoConfig
-    engine: SimEngineConfig
-    results: list[PolicyResult]
-    wall_s: float
-    notes: list[str] = field(default_factory=list)
-
-    def result(self, policy: str) -> PolicyResult:
-        for r in self.results:
-            if r.policy == policy:
-                return r
-        raise KeyError(policy)
-
-
-def waves(requests: Sequence[SimRequest], size: int) -> list[list[SimRequest]]:
-    """Split arrivals into waves of at most ``size``; a wave never holds two turns of one
-    session (the later turn waits for the earlier answer)."""
-    out: list[list[SimRequest]] = []
-    cur: list[SimRequest] = []
-    sessions: set[int] = set()
-    for r in requests:
-        if len(cur) >= size or r.session in sessions:
-            out.append(cur)
-            cur, sessions = [], set()
-        cur.append(r)
-        sessions.add(r.session)
-    if cur:
-        out.append(cur)
-    return out
-
-
-class _DemoWorker:
-    """What ``on_start`` callers print about an engine (name, endpoints)."""
+class DemoWorker:
+    """What ``on_start`` callers print about an engine: ``engine`` (the
+    :class:`~kvevents.sim.engine.SimEngine`), ``endpoint`` / ``replay_endpoint`` (where
+    to connect), ``engine_endpoint`` / ``engine_replay_endpoint`` (where its publisher is
+    bound) and ``url`` (its HTTP front)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine.engine
@@ -231,12 +43,13 @@ class _DemoWorker:
         self.url = engine.url
 
 
-class _DemoFleet:
-    """The engines and the service of one policy, as ``on_start`` sees them."""
+class DemoFleet:
+    """The engines and the service of one policy, as ``on_start`` sees them: ``url`` (the
+    service) and one :class:`DemoWorker` per engine."""
 
     def __init__(self, stack: Any) -> None:
         self.url = stack.url
-        self.workers = [_DemoWorker(e) for e in stack.engines]
+        self.workers = [DemoWorker(e) for e in stack.engines]
 
 
 def _engine_host_port(bind: str) -> tuple[str, int | None]:
@@ -309,7 +122,7 @@ def run_policy(
         capture=capture,
     ) as stack:
         if on_start is not None:
-            on_start(policy, _DemoFleet(stack))
+            on_start(policy, DemoFleet(stack))
         if not _wait_ready(stack.url, config.catch_up_timeout_s):
             res.anomalies["service_not_ready"] += 1
         if config.hold_s > 0:
@@ -415,163 +228,3 @@ def run_demo(
         if capture is not None:
             capture.close()
     return DemoReport(config, engine_cfg, results, time.perf_counter() - t0, notes)
-
-
-def format_report(report: DemoReport) -> str:
-    """The demo's comparison as a text table."""
-    cfg, eng = report.config, report.engine
-    sizes = "/".join(str(g.block_size) for g in eng.groups)
-    cpu = (
-        f"CPU {eng.num_cpu_chunks} chunks x {eng.blocks_per_chunk} blocks ({eng.cpu_cache_policy})"
-        if eng.num_cpu_chunks
-        else "no CPU tier"
-    )
-    lines = [
-        f"kvevents demo: {cfg.engines} engines x {cfg.dp_ranks} DP rank(s), GPU {eng.num_gpu_blocks} "
-        f"blocks of {sizes} tokens, {cpu}"
-        + (f", KV on {eng.device}" if eng.device != "cpu" else ""),
-        f"workload: {cfg.requests} chat requests over HTTP through kvevents serve, "
-        f"{cfg.tenants} tenants with shared system prompts, {cfg.concurrent_sessions} "
-        f"conversations open at once, {cfg.concurrency} requests in flight, seed {cfg.seed}",
-        "",
-    ]
-    header = (
-        f"{'policy':<20} {'GPU hit':>8} {'CPU hit':>8} {'total':>7} {'tokens saved':>13} "
-        f"{'prefilled':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>6} {'events/s':>9} "
-        f"{'anomalies':>9}"
-    )
-    lines += [header, "-" * len(header)]
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:.0f} ms"
-
-    for r in report.results:
-        lines.append(
-            f"{POLICY_LABELS.get(r.policy, r.policy):<20} {r.rate(r.gpu_hit_tokens):>8.1%} "
-            f"{r.rate(r.cpu_hit_tokens):>8.1%} {r.hit_rate:>7.1%} {r.tokens_saved:>13,} "
-            f"{r.computed_tokens:>10,} {ms(r.ttft_p50_s):>9} {ms(r.ttft_p99_s):>9} "
-            f"{r.requests_per_s:>6.1f} {r.events_per_s:>9,.0f} {sum(r.anomalies.values()):>9}"
-        )
-    lines.append("")
-    names = [r.policy for r in report.results]
-    if "kv-aware" in names and "round-robin" in names:
-        kv, rr = report.result("kv-aware"), report.result("round-robin")
-        if rr.computed_tokens:
-            lines.append(
-                f"KV-aware routing reused {kv.hit_rate:.1%} of prompt tokens vs {rr.hit_rate:.1%} "
-                f"for round-robin: {rr.computed_tokens / max(kv.computed_tokens, 1):.2f}x fewer "
-                "tokens to prefill."
-            )
-    if "kv-aware" in names and "kv-aware-gpu" in names:
-        kv, gpu = report.result("kv-aware"), report.result("kv-aware-gpu")
-        lines.append(
-            f"Seeing the CPU tier (GPU and CPU events joined) reused {kv.hit_rate:.1%} vs "
-            f"{gpu.hit_rate:.1%} for a router fed GPU events only."
-        )
-    for policy in _KV_AWARE:
-        if policy in names:
-            kv = report.result(policy)
-            if kv.requests:
-                lines.append(
-                    f"Router prediction ({POLICY_LABELS.get(policy, policy)}, index built from "
-                    f"the event stream at arrival) matched the cached_tokens the engine "
-                    f"reported exactly for {kv.predicted_exact}/{kv.requests} requests."
-                )
-    for r in report.results:
-        if r.anomalies:
-            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r.anomalies.items()))
-            lines.append(f"anomalies ({r.policy}): {kinds}")
-            lines.extend(f"  {d}" for d in r.anomaly_details)
-    if not any(r.anomalies for r in report.results):
-        lines.append("anomalies: none (no seq gaps, losses or restarts)")
-    lines.extend(f"note: {n}" for n in report.notes)
-    lines.append(f"total wall time {report.wall_s:.1f} s")
-    return "\n".join(lines)
-
-
-def report_to_json(report: DemoReport) -> dict[str, Any]:
-    """The report as a JSON-ready dict (rates are fractions, times seconds)."""
-    policies = []
-    for r in report.results:
-        policies.append(
-            {
-                "policy": r.policy,
-                "requests": r.requests,
-                "prompt_tokens": r.prompt_tokens,
-                "gpu_hit_tokens": r.gpu_hit_tokens,
-                "cpu_hit_tokens": r.cpu_hit_tokens,
-                "computed_tokens": r.computed_tokens,
-                "tokens_saved": r.tokens_saved,
-                "gpu_hit_rate": r.rate(r.gpu_hit_tokens),
-                "cpu_hit_rate": r.rate(r.cpu_hit_tokens),
-                "hit_rate": r.hit_rate,
-                "predicted_exact": r.predicted_exact,
-                "reported_cached_tokens": r.reported_cached_tokens,
-                "failed": r.failed,
-                "ttft_p50_s": r.ttft_p50_s,
-                "ttft_p99_s": r.ttft_p99_s,
-                "requests_per_s": r.requests_per_s,
-                "batches": r.batches,
-                "events": r.events,
-                "events_per_s": r.events_per_s,
-                "wall_s": r.wall_s,
-                "anomalies": dict(r.anomalies),
-                "anomaly_details": list(r.anomaly_details),
-                "requests_per_worker": dict(r.requests_per_worker),
-            }
-        )
-    cfg, eng = report.config, report.engine
-    return {
-        "engines": cfg.engines,
-        "dp_ranks": cfg.dp_ranks,
-        "requests": cfg.requests,
-        "concurrency": cfg.concurrency,
-        "seed": cfg.seed,
-        "engine": {
-            "block_sizes": [g.block_size for g in eng.groups],
-            "num_gpu_blocks": eng.num_gpu_blocks,
-            "num_cpu_chunks": eng.num_cpu_chunks,
-            "blocks_per_chunk": eng.blocks_per_chunk,
-            "cpu_cache_policy": eng.cpu_cache_policy,
-            "device": eng.device,
-        },
-        "policies": policies,
-        "wall_s": report.wall_s,
-        "notes": list(report.notes),
-    }
-
-
-def write_plot(report: DemoReport, path: str) -> str | None:
-    """Write a PNG comparing the policies; returns ``None`` on success, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'kvevents[demo]')"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
-    names = [POLICY_LABELS.get(r.policy, r.policy).replace(" (", "\n(") for r in report.results]
-    gpu = [100 * r.rate(r.gpu_hit_tokens) for r in report.results]
-    cpu = [100 * r.rate(r.cpu_hit_tokens) for r in report.results]
-    ax1.bar(names, gpu, label="GPU hit", color="#3b75af")
-    ax1.bar(names, cpu, bottom=gpu, label="CPU hit", color="#9ecae9")
-    for i, r in enumerate(report.results):
-        ax1.text(i, gpu[i] + cpu[i] + 1, f"{r.hit_rate:.0%}", ha="center")
-    ax1.set_ylabel("prompt tokens reused (%)")
-    ax1.set_ylim(0, 100)
-    ax1.set_title("prefix-cache hit rate by tier")
-    ax1.legend(loc="upper right")
-    for r in report.results:
-        label = POLICY_LABELS.get(r.policy, r.policy)
-        ax2.plot(range(1, len(r.saved_curve) + 1), r.saved_curve, label=label)
-    ax2.set_xlabel("requests routed")
-    ax2.set_ylabel("prompt tokens saved (cumulative)")
-    ax2.set_title("tokens saved over the workload")
-    ax2.legend(loc="upper left")
-    cfg = report.config
-    fig.suptitle(f"kvevents demo: {cfg.engines} engines, {cfg.requests} requests, seed {cfg.seed}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
