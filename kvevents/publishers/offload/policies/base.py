@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
+from kvevents.errors import ConfigError
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
 
 __all__ = ["CachePolicy", "ChunkStatus", "order_request_keys"]
@@ -73,7 +74,7 @@ class CachePolicy(ABC):
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
-            raise ValueError("capacity must be >= 0")
+            raise ConfigError(f"capacity must be >= 0, not {capacity}")
         self.capacity = capacity
 
     # --- membership ---------------------------------------------------------------------
