@@ -18,11 +18,13 @@ the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3
   (skipping blocks of a first chunk that the GPU hit already covers), waited for, then
   ``complete_load``.
 
-The simulated KV cache is one byte tensor of ``(num_gpu_blocks, page_bytes)`` on
-``device`` (``"cpu"`` or ``"cuda"``); every computed block holds bytes derived from its
-hash (:func:`expected_block_bytes`), so a load can be checked.  Without torch (or with
-``transfers=False``) the manager and its events work the same and the byte copies are
-skipped (counted in ``stats.transfers_skipped``).
+The simulated KV bytes and their copies are :mod:`kvevents.sim.kv_bytes`' (every
+computed block holds bytes derived from its hash, :func:`expected_block_bytes`, so a load
+can be checked).  Without torch (or with ``transfers=False``) the manager and its events
+work the same and the byte copies are skipped (counted in ``stats.transfers_skipped``).
+
+One job: the CPU tier's bookkeeping as vLLM's scheduler drives it.  Imports the offload
+room of the publishers (no torch) and :mod:`kvevents.sim.kv_bytes`.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Any
 
-from kvevents.errors import ConfigError, OffloadError
+from kvevents.errors import OffloadError
 from kvevents.events import KVEvent
 from kvevents.publishers.offload import (
     CPULoadStoreSpec,
@@ -49,23 +50,12 @@ from kvevents.publishers.offload import (
     make_offload_key,
 )
 from kvevents.sim.block_pool import NULL_BLOCK
-
-if TYPE_CHECKING:  # torch is optional: the transfer module is imported when used
-    import torch
-
-    from kvevents.publishers.offload.transfer import CPUTransferWorker
+from kvevents.sim.kv_bytes import SimKVBytes
+from kvevents.sim.kv_bytes import expected_block_bytes as expected_block_bytes  # re-exported
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
 logger = logging.getLogger(__name__)
-
-
-def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:
-    """The simulated KV bytes of a computed block: the group id and its digest, repeated
-    to ``page_bytes``."""
-    seed = bytes([group & 0xFF]) + digest
-    reps = -(-page_bytes // len(seed))
-    return (seed * reps)[:page_bytes]
 
 
 @dataclass
@@ -143,27 +133,19 @@ class SimOffload:
         self._job_ids = itertools.count()
         self._ctx: dict[str, ReqContext] = {}
         self._offered: dict[str, list[int]] = {}
-        self._torch: ModuleType | None = None
-        self.kv: torch.Tensor | None = None
-        self.worker: CPUTransferWorker | None = None
-        self._skip_reason = ""
-        if not transfers:
-            self._skip_reason = "disabled"
-        else:
-            try:  # optional dependency: torch, and the transfer module that needs it
-                import torch
-
-                from kvevents.publishers.offload.transfer import CPUTransferWorker
-            except ImportError:
-                self._skip_reason = "torch_missing"
-            else:
-                if device.startswith("cuda") and not torch.cuda.is_available():
-                    raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
-                self._torch = torch
-                self.kv = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.int8, device=device)
-                self.worker = CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
-        if self._skip_reason:
-            logger.info("simulated offload runs without byte transfers (%s)", self._skip_reason)
+        self.bytes = SimKVBytes(
+            num_gpu_blocks,
+            num_chunks,
+            blocks_per_chunk,
+            self.block_sizes,
+            page_bytes=page_bytes,
+            transfers=transfers,
+            device=device,
+        )
+        """The simulated KV bytes and their transfer worker."""
+        self.kv: Any = self.bytes.kv
+        self.worker: Any = self.bytes.worker
+        self._skip_reason = self.bytes.skip_reason
 
     # --- keys ---------------------------------------------------------------------------
     def key(self, raw: Sequence[bytes], group: int, chunk: int) -> OffloadKey:
@@ -325,9 +307,10 @@ class SimOffload:
         if not to_store:
             return len(keys)
         pending = _PendingStore(to_store, ctx, set(), epoch=self._epoch)
-        if not isinstance(out.store_spec, CPULoadStoreSpec):
+        spec = out.store_spec
+        if not isinstance(spec, CPULoadStoreSpec):
             raise OffloadError("the manager's store spec is not a CPU chunk spec")
-        chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
+        chunk_ids = [int(i) for i in spec.chunk_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
             for g in range(len(self.block_sizes)):
@@ -404,24 +387,9 @@ class SimOffload:
         start: int,
         end: int,
     ) -> None:
-        """Fill the device blocks that become full while computing tokens ``[start, end)``."""
-        if self.kv is None:
-            return
-        torch = self._torch
-        assert torch is not None  # set together with self.kv
-        ids: list[int] = []
-        data = bytearray()
-        for g, bs in enumerate(self.block_sizes):
-            for i in range(start // bs, min(end // bs, len(digests[g]))):
-                if blocks[g][i] == NULL_BLOCK:
-                    continue
-                ids.append(blocks[g][i])
-                data += expected_block_bytes(digests[g][i], g, self.page_bytes)
-        if not ids:
-            return
-        rows = torch.frombuffer(data, dtype=torch.int8).view(len(ids), self.page_bytes)
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(0, index, rows.to(self.kv.device))
+        """Fill the device blocks that become full while computing tokens ``[start, end)``
+        (see :meth:`SimKVBytes.write_blocks`)."""
+        self.bytes.write_blocks(digests, blocks, start, end)
 
     def verify_blocks(
         self,
@@ -431,19 +399,4 @@ class SimOffload:
         end: int,
     ) -> int:
         """How many blocks of ``[start, end)`` do not hold their expected bytes."""
-        if self.kv is None:
-            return 0
-        bad = 0
-        for g, bs in enumerate(self.block_sizes):
-            kept = [i for i in range(start // bs, end // bs) if blocks[g][i] != NULL_BLOCK]
-            if not kept:
-                continue
-            ids = [blocks[g][i] for i in kept]
-            assert self._torch is not None  # set together with self.kv
-            index = self._torch.tensor(ids, device=self.kv.device)
-            got = self.kv.index_select(0, index).cpu().numpy().tobytes()
-            p = self.page_bytes
-            for j, i in enumerate(kept):
-                if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
-                    bad += 1
-        return bad
+        return self.bytes.verify_blocks(digests, blocks, start, end)
