@@ -58,9 +58,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 if args.limit is not None and shown >= args.limit:
                     break
             for rec, reason in errors:
-                print(
-                    f"undecodable frame seq={rec.seq} from {rec.source}: {reason}", file=sys.stderr
-                )
+                if rec.malformed:
+                    print(f"{reason} from {rec.source}", file=sys.stderr)
+                else:
+                    print(
+                        f"undecodable frame seq={rec.seq} from {rec.source}: {reason}",
+                        file=sys.stderr,
+                    )
         warn_skipped(args.file, reader.skipped, "read")
     if flt.active and shown == 0:
         values.check(flt)

@@ -22,51 +22,14 @@ from kvevents.errors import ConfigError
 __all__ = ["cmd_record"]
 
 
-class _RawTap:
-    """A source wrapper for ``record``: it keeps the raw messages of the source's latest
-    reads, so that a frame the subscriber cannot decode is still written to the capture
-    byte for byte (flagged undecodable) instead of being dropped.  The subscriber
-    processes what a source returns before reading it again, and ``record`` drains every
-    item in between, so the last two reads always hold the frame an anomaly names.
-    Everything but :meth:`receive` is the wrapped source's own (attribute lookups are
-    forwarded, optional parts of the source protocol included)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self._recent: list[list[Any]] = [[], []]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def receive(self, limit: int) -> list[Any]:
-        msgs: list[Any] = self.inner.receive(limit)
-        if msgs:
-            self._recent = [self._recent[1], msgs]
-        return msgs
-
-    def take_undecodable(self, origin: str, seq: int, replayed: bool, decoder: Any) -> Any:
-        """The raw message of seq ``seq`` from ``origin`` that does not decode, or None."""
-        from kvevents.consumers.sources import LIVE, REPLAY
-        from kvevents.errors import DecodeError
-
-        kind = REPLAY if replayed else LIVE
-        for batch in self._recent:
-            for i, msg in enumerate(batch):
-                if msg.kind != kind or msg.seq != seq or (msg.origin or self.name) != origin:
-                    continue
-                try:
-                    decoder.decode(msg.payload)
-                except DecodeError:
-                    del batch[i]
-                    return msg
-        return None
-
-
 def cmd_record(args: argparse.Namespace) -> int:
-    from kvevents.capture import FLAG_UNDECODABLE, CaptureWriter
-    from kvevents.codec import BatchDecoder
-    from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber, ZmqSource
-    from kvevents.consumers.subscriber import UNDECODABLE
+    """Run ``kvevents record``: every frame each publisher sends goes to the capture as
+    it is read off the socket, before anything decodes it (:mod:`kvevents.cli.rawtap`);
+    the subscriber on top repairs gaps by replay and reports anomalies.  From JetStream
+    the batches are written as the JetStream subscriber delivers them."""
+    from kvevents.capture import CaptureWriter
+    from kvevents.cli.rawtap import FrameRecorder, RecordingSource
+    from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
     from kvevents.endpoints import is_wildcard_endpoint, require_connect
     from kvevents.jetstream.cli import is_nats_url, open_jetstream_subscriber
 
@@ -101,100 +64,92 @@ def cmd_record(args: argparse.Namespace) -> int:
         "topic": args.topic,
         "recorder": "kvevents record",
     }
+    if from_jetstream:
+        meta["stream"] = args.stream
     stop = threading.Event()
     status = StatusLine(sys.stderr, enabled=not args.quiet)
-    batches = events = undecodable = 0
     gaps: Counter[str] = Counter()
     start = time.monotonic()
     deadline = start + args.duration if args.duration is not None else None
     topic = args.topic.encode("utf-8")
-    taps: dict[str, _RawTap] = {}
+    recorder = FrameRecorder(max_batches=args.count)
     sub: Any
+    # The sockets open first: an endpoint that cannot be opened leaves OUTPUT untouched.
     if from_jetstream:
         sub = open_jetstream_subscriber(list(args.endpoints), args.stream)
-        meta["stream"] = args.stream
     else:
-        for i, ep in enumerate(args.endpoints):
-            tap = _RawTap(ZmqSource(ep, topic, replay[i] if replay else None))
-            taps[tap.name] = tap
-        sub = Subscriber(list(taps.values()))
-    decoder = BatchDecoder()
+        sources: list[RecordingSource] = []
+        try:
+            for i, ep in enumerate(args.endpoints):
+                sources.append(RecordingSource(ep, recorder, topic, replay[i] if replay else None))
+        except BaseException:
+            for src in sources:
+                src.close()
+            raise
+        sub = Subscriber(sources)
     written = 0
     try:
-        with (
-            CaptureWriter(
-                args.output, meta=meta, append=args.append, overwrite=args.force
-            ) as writer,
-            stop_on_signals(stop),
-        ):
-            draining = False
-            while True:
-                if args.count is not None and batches >= args.count:
-                    break
-                now = time.monotonic()
-                if not draining and (stop.is_set() or (deadline is not None and now >= deadline)):
-                    draining = True  # keep what the subscriber already has ready
-                if draining:
-                    item = sub.receive(timeout=0)
-                    if item is None:
-                        break
-                else:
-                    wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
-                    item = sub.receive(timeout=wait)
-                if isinstance(item, ReceivedBatch):
-                    writer.write(
-                        item.source,
-                        item.topic,
-                        item.seq,
-                        item.payload,
-                        recv_ts=item.recv_ts,
-                        replayed=item.replayed,
+        with CaptureWriter(
+            args.output, meta=meta, append=args.append, overwrite=args.force
+        ) as writer:
+            recorder.writer = writer
+            with stop_on_signals(stop):
+                draining = False
+                while True:
+                    now = time.monotonic()
+                    if recorder.full:
+                        # --count reached: report the anomalies the frames already read
+                        # brought; read nothing more
+                        item = None if from_jetstream else sub.take()
+                        if item is None:
+                            break
+                    elif draining or stop.is_set() or (deadline is not None and now >= deadline):
+                        draining = True  # keep what the sockets already hold
+                        item = sub.receive(timeout=0)
+                        if item is None:
+                            break
+                    else:
+                        wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - now))
+                        item = sub.receive(timeout=wait)
+                    if from_jetstream and isinstance(item, ReceivedBatch):
+                        # no raw socket to tap: the batch as delivered
+                        writer.write(
+                            item.source,
+                            item.topic,
+                            item.seq,
+                            item.payload,
+                            recv_ts=item.recv_ts,
+                            replayed=item.replayed,
+                        )
+                        recorder.batches += 1
+                        recorder.events += len(item.batch.events)
+                    elif isinstance(item, Anomaly):
+                        gaps[item.kind] += 1
+                        if not args.quiet:
+                            status.done()
+                            print_anomaly(item, sys.stderr)
+                    elapsed = max(time.monotonic() - start, 1e-9)
+                    status.update(
+                        f"recording {args.output}: {recorder.batches} batches, "
+                        f"{recorder.events} events, {gaps['gap']} gaps "
+                        f"({sub.stats.replayed_batches} replayed, {sub.stats.lost_batches} "
+                        f"lost), {recorder.events / elapsed:,.0f} events/s"
                     )
-                    batches += 1
-                    events += len(item.batch.events)
-                elif isinstance(item, Anomaly):
-                    gaps[item.kind] += 1
-                    if item.kind == UNDECODABLE and item.first_seq is not None:
-                        raw = None
-                        for tap in taps.values():
-                            raw = tap.take_undecodable(
-                                item.source,
-                                item.first_seq,
-                                item.detail.startswith("replayed "),
-                                decoder,
-                            )
-                            if raw is not None:
-                                break
-                        if raw is not None:
-                            writer.write(
-                                item.source,
-                                raw.topic,
-                                raw.seq,
-                                raw.payload,
-                                recv_ts=raw.recv_ts,
-                                replayed=raw.kind != "live" or raw.replayed,
-                                flags=FLAG_UNDECODABLE,
-                            )
-                            undecodable += 1
-                    if not args.quiet:
-                        status.done()
-                        print_anomaly(item, sys.stderr)
-                elapsed = max(time.monotonic() - start, 1e-9)
-                status.update(
-                    f"recording {args.output}: {batches} batches, {events} events, "
-                    f"{gaps['gap']} gaps ({sub.stats.replayed_batches} replayed, "
-                    f"{sub.stats.lost_batches} lost), {events / elapsed:,.0f} events/s"
-                )
             written = writer.records_written
     finally:
         sub.close()
         status.done()
     elapsed = time.monotonic() - start
     anomalies = ", ".join(f"{k} x{n}" for k, n in sorted(gaps.items())) or "none"
-    kept = f", {undecodable} undecodable frame(s) kept" if undecodable else ""
+    kept = []
+    if recorder.undecodable:
+        kept.append(f"{recorder.undecodable} undecodable frame(s) kept")
+    if recorder.malformed:
+        kept.append(f"{recorder.malformed} malformed message(s) kept")
     print(
-        f"recorded {written} records ({batches} batches, {events} events{kept}) from "
-        f"{len(args.endpoints)} endpoint(s) in {elapsed:.1f} s to {args.output}; "
+        f"recorded {written} records ({recorder.batches} batches, {recorder.events} events"
+        + "".join(", " + k for k in kept)
+        + f") from {len(args.endpoints)} endpoint(s) in {elapsed:.1f} s to {args.output}; "
         f"anomalies: {anomalies}",
         file=sys.stderr,
     )

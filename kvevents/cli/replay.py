@@ -173,6 +173,10 @@ def _replay_publish(args: argparse.Namespace) -> int:
     with CaptureReader(args.file) as reader:
         records = list(reader)
         skipped_ranges = list(reader.skipped)
+    # Messages kept by the recorder without the [topic, seq, payload] shape are never
+    # batches: counted as skipped, and no publisher is made for them.
+    malformed = sum(r.malformed for r in records)
+    records = [r for r in records if not r.malformed]
     if args.source is not None:
         recorded = sorted({r.source for r in records})
         records = [r for r in records if r.source == args.source]
@@ -199,8 +203,9 @@ def _replay_publish(args: argparse.Namespace) -> int:
     last_seq: dict[tuple[str, int], int] = {}
     stop = threading.Event()
     status = StatusLine(sys.stderr, enabled=not args.quiet)
-    sent = skipped = events = 0
-    skip_reasons: Counter[str] = Counter()
+    sent = events = 0
+    skipped = malformed
+    skip_reasons: Counter[str] = Counter({"malformed": malformed} if malformed else {})
     first_ts = records[0].recv_ts if records else 0.0
     start = time.monotonic()
     # The schedule: record i is due at anchor + (recv_ts_i - first_ts) / speed.  The anchor
@@ -212,6 +217,8 @@ def _replay_publish(args: argparse.Namespace) -> int:
             for rec in records:
                 if stop.is_set():
                     break
+                if rec.seq < 0 and rec.replayed and not rec.payload:
+                    continue  # a recorded end-of-replay marker: nothing to send
                 try:
                     batch = decoder.decode(rec.payload)
                 except DecodeError:
