@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "record",
         help="subscribe to publishers and write a capture file",
         description="Subscribe to one or more publishers (gaps are repaired by replay when a "
-        "replay endpoint is given) and write every batch to a capture file (a frame that "
-        "does not decode is kept too, flagged).  Stops on "
-        "Ctrl-C / SIGTERM, after --duration seconds or --count batches; the file is "
+        "replay endpoint is given) and write every frame received to a capture file, in "
+        "arrival order, before decoding (a payload that does not decode or a message "
+        "without the [topic, seq, payload] shape is kept too, flagged).  Stops on "
+        "Ctrl-C / SIGTERM, after --duration seconds or --count good batches; the file is "
         "always left complete.",
     )
     p.add_argument(
