@@ -61,6 +61,7 @@ class Feeder(Stores):
         applied = 0
         block_events = 0
         gpu_removed = 0  # not yet added to stats.removed["GPU"]
+        gpu_unknown = 0  # not yet added to stats.unknown_removals["GPU"]
         try:
             for ev in batch.events:
                 if type(ev) is BlockRemoved:
@@ -125,6 +126,13 @@ class Feeder(Stores):
                                 retired[(wid, group, h)] = None
                                 if len(retired) > retention:
                                     retention_room.trim()
+                                continue
+                            if m is None or type(m) is int:
+                                # a hash the GPU tier does not hold (evicted by the memory
+                                # cap, or never announced): RefRules.remove_unknown's count
+                                applied += 1
+                                block_events += 1
+                                gpu_unknown += 1
                                 continue
                 elif type(ev) is BlockStored and ev.medium == "GPU":
                     if gpu_removed:
@@ -193,6 +201,8 @@ class Feeder(Stores):
         finally:
             if gpu_removed:
                 stats.removed[MEDIUM_GPU] += gpu_removed
+            if gpu_unknown:
+                stats.unknown_removals[MEDIUM_GPU] += gpu_unknown
             stats.applied += applied
             stats.block_events += block_events
 

@@ -14,7 +14,7 @@ and :mod:`.workers`.
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any
 
 from kvevents.consumers.index.marks import TierMarks, unmark
@@ -317,11 +317,14 @@ class Eviction:
     def compact(self) -> None:
         """Rewrite the eviction queue without the items it would skip (entries no longer
         resident, deferred or of removed workers) and without repeats (an entry keeps its
-        first place), so that it stays proportional to the resident entries."""
+        first place), so that it stays proportional to the resident entries.
+
+        Each item the queue ever holds is looked at here or by :meth:`evict` about once
+        (most entries leave by their removal events, long before the queue reaches them),
+        so this loop is kept to a few dict lookups per item."""
         seen: dict[int, set[Hash]] = {}  # by slot: hashes already kept
         ng: list[GroupState] = []
         nh: list[Hash] = []
-        qg, qh = self.qgroups, self.qhashes
         slots = self.table.slots
         last: GroupState | None = None
         ok = False
@@ -330,27 +333,29 @@ class Eviction:
         r1: dict[Hash, int] = {}
         r2: dict[Hash, int] = {}
         deferred: dict[Hash, None] = {}
-        for i in range(self.qhead, len(qh)):
-            gs = qg[i]
+        head = self.qhead
+        g_append, h_append = ng.append, nh.append
+        meta_get = meta.get
+        for gs, h in zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None)):
             if gs is not last:  # runs of one group are the common case
                 last = gs
                 t = slots.get(gs.slot)
                 ok = t is not None and t[1] is gs
                 meta, r1, r2, deferred = gs.meta, gs.refs[1], gs.refs[2], gs.deferred
+                meta_get = meta.get
                 kept = seen.setdefault(gs.slot, set())
             if not ok:
                 continue
-            h = qh[i]
-            m = meta.get(h)
-            if type(m) is int:
-                if m < GPU_ONE and h not in r1 and h not in r2:
-                    continue
-            elif not ((m is not None and gpu_refs(m) > 0) or h in r1 or h in r2):
+            m = meta_get(h)
+            if m is None or type(m) is int:
+                if (m is None or m < GPU_ONE) and h not in r1 and h not in r2:
+                    continue  # not resident any more
+            elif not (gpu_refs(m) > 0 or h in r1 or h in r2):
                 continue
             if h in kept or h in deferred:
                 continue
             kept.add(h)
-            ng.append(gs)
-            nh.append(h)
+            g_append(gs)
+            h_append(h)
         self.qgroups, self.qhashes, self.qhead = ng, nh, 0
         self.qlimit = max(1 << 16, 4 * len(nh))

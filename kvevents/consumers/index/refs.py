@@ -184,6 +184,7 @@ class RefRules:
         retired = retention.records
         wid = w.wid
         removed = 0
+        unknown = 0
         for h in hashes:
             if tier == 0:
                 m = meta.get(h)
@@ -199,7 +200,10 @@ class RefRules:
             else:
                 cc = refs.get(h)
                 if cc is None:
-                    self.remove_unknown(w, gs, group, h, tier)
+                    if h in meta or wid in self.pending.per_worker:
+                        self.remove_unknown(w, gs, group, h, tier)
+                    else:  # (remove_unknown's last case, inline: evicted or unknown)
+                        unknown += 1
                     continue
                 removed += 1
                 if cc > 1:
@@ -253,6 +257,8 @@ class RefRules:
                         retention.trim()
         if removed:
             self.stats.removed[TIERS[tier]] += removed
+        if unknown:
+            self.stats.unknown_removals[TIERS[tier]] += unknown
 
     def remove_unknown(
         self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int
