@@ -5,6 +5,7 @@
 ``apply``          the batch apply loop and its fast paths
 ``stores``         ``BlockStored``: metadata records, the GPU/CPU join, learning
 ``refs``           tier refcounts in and out, clears (the general path)
+``legacy``         vLLM <= 0.23 offload events (bytes hashes, no group)
 ``marks``          content key -> slot bitsets per tier, counted
 ``join``           the pending table and the retention of GPU-removed metadata
 ``eviction``       the memory cap: resident count, eviction order and eviction

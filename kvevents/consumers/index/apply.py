@@ -13,6 +13,7 @@ to the general path.  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stores` and
 
 from __future__ import annotations
 
+from kvevents.consumers.index.legacy import legacy_remove, legacy_store
 from kvevents.consumers.index.marks import add_dup, drop_dup
 from kvevents.consumers.index.records import (
     CK_MASK,
@@ -221,7 +222,7 @@ class Feeder(Stores):
             elif ev.block_size > 0 and ev.token_ids:
                 self.store_self_describing(w, ev, tier)
             elif ev.group_idx is None and any(isinstance(h, bytes) for h in ev.block_hashes):
-                self.legacy_store(w, ev, tier)
+                legacy_store(self, w, ev, tier)
             else:
                 self.store_placeholder(w, ev, tier)
         elif type(ev) is BlockRemoved:
@@ -234,7 +235,7 @@ class Feeder(Stores):
                 and ev.group_idx is None
                 and any(isinstance(h, bytes) for h in ev.block_hashes)
             ):
-                self.legacy_remove(w, ev.block_hashes, tier)
+                legacy_remove(self, w, ev.block_hashes, tier)
             else:
                 self.remove(w, ev.group_idx or 0, ev.block_hashes, tier)
         elif type(ev) is AllBlocksCleared:

@@ -303,6 +303,9 @@ class Stores(RefRules):
                 stats.skipped["kind:" + (gs.kind or "none")] += n
 
     def store_self_describing(self, w: WorkerState, ev: BlockStored, tier: int) -> None:
+        """A CPU/STORAGE store carrying its chunk's tokens: every block's metadata is
+        recorded (the chunk's inner blocks as retained records unless a tier holds
+        them) and the chunk tail is counted on ``tier``."""
         gs = w.groups.get(ev.group_idx or 0)
         if gs is not None and gs.block_size and ev.block_size != gs.block_size:
             # a partial tail at hash granularity (C§5.8): join its last hash instead
@@ -333,6 +336,9 @@ class Stores(RefRules):
     def store_placeholder(
         self, w: WorkerState, ev: BlockStored, tier: int, tails: Iterable[Hash] | None = None
     ) -> None:
+        """A CPU/STORAGE placeholder (or, with ``tails``, those hashes of a store): each
+        tail joins its GPU record and is counted on ``tier``, or waits in the pending
+        table until its GPU store comes."""
         stats = self.stats
         gs = w.groups.get(ev.group_idx or 0)
         if gs is None:
@@ -361,55 +367,6 @@ class Stores(RefRules):
                 self.stats.joined_late += 1
                 self.observe_tail(w, gs, m)
                 self.ref(w, gs, tier, h, ck)
-
-    def legacy_store(self, w: WorkerState, ev: BlockStored, tier: int) -> None:
-        """≤0.23 CPU store: bytes hashes, no group, meaningless block_size (C§9.16).
-
-        Each hash is looked up in every group of the worker, as the raw digest and as its
-        wire int (the digest's last 8 bytes); repeated occurrences of one hash go to the
-        next group that knows it (a hash can key several groups, C§5.3).
-        """
-        used: dict[Hash, int] = {}
-        for raw in ev.block_hashes:
-            self.stats.stored[TIERS[tier]] += 1
-            found = self.legacy_find(w, raw, used, lambda gs, h: h in gs.meta)
-            if found is None:
-                self.stats.unjoined["legacy_unknown_hash"] += 1
-                continue
-            gs, h = found
-            self.stats.joined += 1
-            m = gs.meta[h]
-            self.observe_tail(w, gs, m)
-            self.ref(w, gs, tier, h, content_key(m))
-
-    def legacy_remove(self, w: WorkerState, hashes: Iterable[Hash], tier: int) -> None:
-        used: dict[Hash, int] = {}
-        for raw in hashes:
-            found = self.legacy_find(w, raw, used, lambda gs, h: h in gs.refs[tier])
-            if found is None:
-                self.stats.unknown_removals[TIERS[tier]] += 1
-                continue
-            gs, h = found
-            self.remove(w, gs.group, [h], tier)
-
-    @staticmethod
-    def legacy_find(
-        w: WorkerState, raw: Hash, used: dict[Hash, int], has: Any
-    ) -> tuple[GroupState, Hash] | None:
-        forms: list[Hash] = [raw]
-        if isinstance(raw, bytes):
-            forms.append(int.from_bytes(raw[-8:], "big"))
-        skip = used.get(raw, 0)
-        for g in sorted(w.groups):
-            gs = w.groups[g]
-            for h in forms:
-                if has(gs, h):
-                    if skip:
-                        skip -= 1
-                        break
-                    used[raw] = used.get(raw, 0) + 1
-                    return gs, h
-        return None
 
     def set_kind(self, w: WorkerState, gs: GroupState, kind: str) -> None:
         gs.kind = kind
