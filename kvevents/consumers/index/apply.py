@@ -116,14 +116,12 @@ class Feeder(Stores):
                                 if p and gs.kids:  # its parent has one resident child fewer
                                     kids = gs.kids
                                     p -= 1
-                                    c = kids.get(p)
+                                    c = kids.pop(p, None)  # (Eviction.unkid, inline)
                                     if c is not None:
                                         if c > 1:
                                             kids[p] = c - 1
-                                        else:
-                                            del kids[p]
-                                            if p in gs.deferred:
-                                                cap.ready.append((gs, p))
+                                        elif p in gs.deferred:
+                                            cap.ready.append((gs, p))
                                 retired[(wid, group, h)] = None
                                 if len(retired) > retention:
                                     retention_room.trim()

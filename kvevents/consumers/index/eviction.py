@@ -160,15 +160,13 @@ class Eviction:
     def unkid(self, gs: GroupState, p: Hash) -> None:
         """A resident entry whose parent is ``p`` stopped being resident."""
         kids = gs.kids
-        c = kids.get(p)
+        c = kids.pop(p, None)  # (one lookup for the usual count of 1)
         if c is None:
             return
         if c > 1:
             kids[p] = c - 1
-        else:
-            del kids[p]
-            if p in gs.deferred:
-                self.ready.append((gs, p))
+        elif p in gs.deferred:
+            self.ready.append((gs, p))
 
     def reparent(self, gs: GroupState, h: Hash, old: Record, new: Record) -> None:
         """``h``'s record is replaced (an orphan healed): if it is resident, it is now a
@@ -305,14 +303,12 @@ class Eviction:
         self.stats.evicted_by_cap += 1
         if p is not None:
             kids = gs.kids
-            c = kids.get(p)
+            c = kids.pop(p, None)
             if c is not None:
                 if c > 1:
                     kids[p] = c - 1
-                else:
-                    del kids[p]
-                    if p in gs.deferred:
-                        self.ready.append((gs, p))
+                elif p in gs.deferred:
+                    self.ready.append((gs, p))
 
     def compact(self) -> None:
         """Rewrite the eviction queue without the items it would skip (entries no longer
