@@ -140,6 +140,9 @@ class BlockIndex:
             eagle_config=eagle_drop,
         )
         self.stats: IndexStats = self._feed.stats
+        # (the router asks for these on every query: one attribute each)
+        self._table = self._feed.table
+        self._tier_marks = self._feed.marks
         self._layout: IndexLayout | None = None
         self._stale: set[WorkerId] = set()
 
@@ -195,7 +198,7 @@ class BlockIndex:
         if not isinstance(index, cls):
             raise ConfigError(f"the snapshot holds a {type(index).__name__}, not a BlockIndex")
         index._layout = None  # derived from the rest; rebuilt by the next query
-        index._feed.table.layout_changed = True
+        index._table.layout_changed = True
         return index
 
     # ------------------------------------------------------------------ queries
@@ -266,8 +269,8 @@ class BlockIndex:
         """Slot classes for the router's walk and per-worker lookup plans (cached until
         a worker, group, kind, block size, window, blocks per chunk or lookahead
         changes)."""
-        table = self._feed.table
         lay = self._layout
+        table = self._table
         if lay is None or table.layout_changed:
             table.layout_changed = False
             lay = self._layout = build_layout(table.workers, self.canonical_block_size)
@@ -276,7 +279,7 @@ class BlockIndex:
     def marks(self, tier: int) -> dict[int, int]:
         """Content key -> bitset of slots holding a block (GPU) or chunk ending there
         (slot bits as in :meth:`layout`).  The live table: read it, never write it."""
-        return self._feed.marks[tier]
+        return self._tier_marks[tier]
 
     # ------------------------------------------------------------------ for tests
 
