@@ -36,7 +36,7 @@ from operator import sub
 from typing import NamedTuple
 
 from kvevents.consumers.content import lookahead_key, prompt_keys, request_keys
-from kvevents.consumers.index import BlockIndex, WorkerId, _Layout, _Plan, _SpecGroup
+from kvevents.consumers.index import BlockIndex, IndexLayout, LookupPlan, SpecGroup, WorkerId
 from kvevents.errors import ConfigError
 from kvevents.request import MMFeature, PromptEmbeds, RequestKey
 
@@ -95,7 +95,7 @@ class Router:
         self.index = index
         self.weights = weights if weights is not None else TierWeights()
         self.load_weight = load_weight
-        self._workers_cache: tuple[_Layout, int, list[WorkerId], set[WorkerId]] | None = None
+        self._workers_cache: tuple[IndexLayout, int, list[WorkerId], set[WorkerId]] | None = None
 
     # ---------------------------------------------------------------- matching
 
@@ -455,7 +455,7 @@ class _Lookup:
 
     tail = 0
 
-    def match(self, plan: _Plan) -> Match:
+    def match(self, plan: LookupPlan) -> Match:
         self.lookahead = plan.lookahead
         gpu = self.gpu_hit(plan)
         if not plan.bpc:
@@ -466,7 +466,7 @@ class _Lookup:
 
     # GPU: KVCacheManager.get_computed_blocks and the coordinators' find_longest_cache_hit
 
-    def gpu_hit(self, plan: _Plan) -> int:
+    def gpu_hit(self, plan: LookupPlan) -> int:
         cap = self.n - 1  # the last prompt token is always recomputed
         groups = plan.spec_groups
         if plan.unitary:
@@ -500,7 +500,7 @@ class _Lookup:
                 break
         return hit
 
-    def find(self, sg: _SpecGroup, max_len: int, align: int, drop: bool) -> int:
+    def find(self, sg: SpecGroup, max_len: int, align: int, drop: bool) -> int:
         """One spec group's hit in tokens, at most ``max_len``, a multiple of ``align``."""
         size = sg.block_size
         bits = sg.bits
@@ -534,7 +534,7 @@ class _Lookup:
 
     # CPU / STORAGE: the offload connector's _lookup_complete_chunks
 
-    def chunk_hit(self, plan: _Plan, base: int, tier: int) -> int:
+    def chunk_hit(self, plan: LookupPlan, base: int, tier: int) -> int:
         """Tokens ``tier`` adds after ``base``: a running bound tightened group by group
         in the offload lookup order; nothing as soon as less than one chunk remains.
         When a group lowers the bound after a windowed group of the same pass, the
@@ -586,7 +586,7 @@ class _Lookup:
 
 
 def _simple_matches(
-    keys: list[int], n: int, lay: _Layout, index: BlockIndex
+    keys: list[int], n: int, lay: IndexLayout, index: BlockIndex
 ) -> dict[WorkerId, Match]:
     """find_matches for the workers with one full-attention group and no speculative mode.
 
@@ -645,7 +645,7 @@ _tuple_new = tuple.__new__
 
 
 def _uniform_matches(
-    gkeys: list[int], keys: list[int], lay: _Layout, index: BlockIndex
+    gkeys: list[int], keys: list[int], lay: IndexLayout, index: BlockIndex
 ) -> dict[WorkerId, Match]:
     """_simple_matches for the usual fleet: one engine block size, at most one chunk size.
     The same rules as the general path, with each walk fused with the recording of its
@@ -782,7 +782,7 @@ def _uniform_chunk_walk(
 
 def _gpu_runs(
     runs: list[tuple[int, int]],
-    lay: _Layout,
+    lay: IndexLayout,
     gpu_end: list[int],
     starts: dict[int, int],
 ) -> int:
@@ -811,7 +811,7 @@ def _gpu_runs(
 
 def _chunk_runs(
     runs: list[tuple[int, int]],
-    lay: _Layout,
+    lay: IndexLayout,
     starts: dict[int, int],
     aligned: int,
     end: list[int],
@@ -838,7 +838,7 @@ def _chunk_runs(
 
 
 def _assemble(
-    lay: _Layout,
+    lay: IndexLayout,
     gpu_end: list[int],
     cpu_end: list[int] | None,
     storage_end: list[int] | None,
