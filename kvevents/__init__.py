@@ -58,8 +58,7 @@ from kvevents.events import (
     KVEventBatch,
 )
 from kvevents.request import MMFeature, RequestKey
-
-__version__ = "0.1.0"
+from kvevents.version import __version__
 
 __all__ = [
     "CAPTURE_FORMAT_VERSION",

@@ -66,14 +66,6 @@ that extra: importing it inside a function is the lazy import of the extra, allo
 # the refactoring branches merge; never add to it.
 KNOWN_VIOLATIONS: frozenset[str] = frozenset(
     {
-        # kvevents.consumers.router: needs public seams in the index for its layout
-        "private: kvevents.consumers.router imports kvevents.consumers.index._Layout",
-        "private: kvevents.consumers.router imports kvevents.consumers.index._Plan",
-        "private: kvevents.consumers.router imports kvevents.consumers.index._SpecGroup",
-        # kvevents.consumers.index: loads its snapshot module lazily (snapshot imports index)
-        "lazy: kvevents.consumers.index imports kvevents.consumers.snapshot inside a function",
-        # kvevents.consumers.snapshot: reads kvevents.__version__ lazily
-        "lazy: kvevents.consumers.snapshot imports kvevents inside a function",
         # kvevents.serve: the package, its cli, config, stack and tokens modules
         "lazy: kvevents.serve imports kvevents.errors inside a function",
         "lazy: kvevents.serve.cli imports kvevents.serve inside a function",

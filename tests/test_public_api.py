@@ -69,3 +69,16 @@ def test_router_side_imports_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_version_matches_pyproject() -> None:
+    import re
+    from pathlib import Path
+
+    import kvevents
+    from kvevents.version import __version__
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', text, re.M)
+    assert declared is not None
+    assert kvevents.__version__ == __version__ == declared.group(1)

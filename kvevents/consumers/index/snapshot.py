@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from kvevents.errors import ConfigError
+from kvevents.version import __version__
 
 __all__ = ["SNAPSHOT_FORMAT", "restore_index", "snapshot_index"]
 
@@ -269,7 +270,6 @@ def _current_schema(schema: dict[str, list[str]]) -> list[str]:
 
 def snapshot_index(index: Any) -> bytes:
     """The state of ``index`` (a :class:`~kvevents.consumers.BlockIndex`) as bytes."""
-    from kvevents import __version__
 
     w = _Writer(type(index).__module__.rpartition(".")[0])
     state = w.enc(index)
