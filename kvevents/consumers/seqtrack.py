@@ -66,6 +66,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar, Union
 
+from kvevents.errors import ConfigError
+
 __all__ = [
     "DUPLICATE",
     "GAP",
@@ -148,7 +150,8 @@ class StreamTracker(Generic[T]):
     (and how far back lost ranges are remembered for ``late``); ``max_pending`` bounds
     the live batches buffered during a replay: beyond it the replay is abandoned, its
     holes are reported lost and the buffer is released.  ``replay_from_start`` is the
-    deprecated name of ``catch_up``.
+    deprecated name of ``catch_up``.  Raises :class:`~kvevents.errors.ConfigError` (a
+    ``ValueError``) for a bound below 1.
     """
 
     def __init__(
@@ -161,7 +164,7 @@ class StreamTracker(Generic[T]):
         replay_from_start: bool | None = None,
     ) -> None:
         if history < 1 or max_pending < 1:
-            raise ValueError("history and max_pending must be >= 1")
+            raise ConfigError(f"history and max_pending must be >= 1, got {history}, {max_pending}")
         if replay_from_start is not None:
             warnings.warn(
                 "replay_from_start is deprecated: catch-up is the default (catch_up=True)",
