@@ -2,21 +2,12 @@
 
 A :class:`StreamTracker` is fed what arrived (live batches, replayed batches, the end of
 a replay, a failed replay) and answers with *actions* for its caller, in the order the
-caller must apply them:
-
-* :class:`Deliver` - hand this batch to the application (strictly increasing ``seq``;
-  nothing is delivered twice between two resets);
-* :class:`Report` - an anomaly the application must see (``gap``, ``duplicate``,
-  ``publisher_restart``, ``unrecoverable_loss``, ``history_missed``);
-* :class:`Drop` - something was discarded (count it by reason: ``late``, ``mismatch``,
-  ``replay_overlap``, ``replay_ahead``, ``stale_replay``, ...);
-* :class:`StartReplay` - ask the publisher's replay endpoint for every batch it still
-  holds from ``start`` on (vLLM's DEALER/ROUTER protocol).
-
-It does no I/O and reads no clock, so it can be tested exhaustively (see the property
-tests); timeouts, concurrency, socket events and liveness belong to the caller, which
-reports a replay that cannot be done or did not finish with
-:meth:`StreamTracker.replay_failed`.
+caller must apply them (:mod:`kvevents.consumers.tracker_actions`: ``Deliver``,
+``Report``, ``Drop``, ``StartReplay``; re-exported here).  It does no I/O and reads no
+clock, so it can be tested exhaustively (see the property tests); timeouts, concurrency,
+socket events and liveness belong to the caller, which reports a replay that cannot be
+done or did not finish with :meth:`StreamTracker.replay_failed`.  What it remembers of
+the past is a :class:`~kvevents.consumers.seqhistory.SeqHistory`.
 
 The rules:
 
@@ -59,13 +50,24 @@ The rules:
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import warnings
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Generic, TypeVar, Union
+from typing import Generic, TypeVar
 
+from kvevents.consumers.seqhistory import SeqHistory
+from kvevents.consumers.tracker_actions import (
+    DUPLICATE,
+    GAP,
+    HISTORY_MISSED,
+    PUBLISHER_RESTART,
+    UNRECOVERABLE_LOSS,
+    Deliver,
+    Drop,
+    Report,
+    StartReplay,
+    TrackerAction,
+)
 from kvevents.errors import ConfigError
 
 __all__ = [
@@ -84,59 +86,10 @@ __all__ = [
 
 T = TypeVar("T")
 
-GAP = "gap"
-DUPLICATE = "duplicate"
-PUBLISHER_RESTART = "publisher_restart"
-UNRECOVERABLE_LOSS = "unrecoverable_loss"
-HISTORY_MISSED = "history_missed"
-
-_INF = float("inf")
 _NEVER = 1 << 62
 _NOT_IN_RING = "not in the publisher's replay buffer"
 _MAX_ROUNDS = 8
 """Replay rounds in a row that may each leave holes above what they covered."""
-
-
-@dataclass(frozen=True, slots=True)
-class Deliver(Generic[T]):
-    """Apply ``item`` (seq ``seq``); ``replayed`` is true if it came through replay."""
-
-    seq: int
-    item: T
-    replayed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """An anomaly to report.  ``first_seq``..``last_seq`` (inclusive) is the seq range it
-    concerns; for ``publisher_restart`` ``first_seq`` is the seq that revealed the new
-    stream (None when a replay did) and ``last_seq`` the old stream's last delivered
-    seq."""
-
-    kind: str
-    first_seq: int | None
-    last_seq: int | None
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """A batch or reply discarded (count it by ``reason``)."""
-
-    seq: int | None
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class StartReplay:
-    """Request a replay of every buffered seq ``>= start``.  Replies and the end marker
-    are passed back with ``replay_id``; a newer request supersedes an older one."""
-
-    start: int
-    replay_id: int
-
-
-TrackerAction = Union[Deliver[T], Report, Drop, StartReplay]
 
 _Pending = tuple[T, Hashable, bool]  # (item, fingerprint, replayed)
 
@@ -183,8 +136,8 @@ class StreamTracker(Generic[T]):
         self.last: int | None = None
         """The last delivered seq, None before the first delivery (and after a restart)."""
         self._next: int | None = None
-        self._ring: list[tuple[int, Hashable] | None] = [None] * self._history
-        self._lost: list[tuple[int, int]] = []
+        self._past = SeqHistory(self._history)
+        self._ring = self._past.ring
         self._pending: dict[int, _Pending[T]] = {}
         self._heap: list[int] = []
         self._front = -1
@@ -441,8 +394,7 @@ class StreamTracker(Generic[T]):
         self._replaying = True
         self._replay_id += 1
         self._check = check
-        entry = None if check is None else self._ring[check % self._history]
-        self._check_fp = entry[1] if entry is not None and entry[0] == check else None
+        self._check_fp = None if check is None else self._past.fingerprint(check)
         self._covered = -1
         self._replies = 0
         self._progress = 0
@@ -500,26 +452,15 @@ class StreamTracker(Generic[T]):
     def _report_lost(self, lo: int, hi: int, detail: str, out: list[TrackerAction[T]]) -> None:
         kind = HISTORY_MISSED if self.last is None else UNRECOVERABLE_LOSS
         out.append(Report(kind, lo, hi, detail))
-        self._lost.append((lo, hi))
-        floor = hi - self._history
-        while self._lost and self._lost[0][1] < floor:
-            self._lost.pop(0)
-
-    def _is_lost(self, seq: int) -> bool:
-        i = bisect.bisect_right(self._lost, (seq, _INF)) - 1
-        return i >= 0 and self._lost[i][0] <= seq <= self._lost[i][1]
-
-    def _seen(self, seq: int, fingerprint: Hashable) -> bool:
-        entry = self._ring[seq % self._history]
-        return entry is not None and entry[0] == seq and entry[1] == fingerprint
+        self._past.add_lost(lo, hi)
 
     def _old(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:
-        if self._is_lost(seq):
+        past = self._past
+        if past.is_lost(seq):
             return [Drop(seq, "late")]
-        if self._seen(seq, fingerprint):
+        if past.seen(seq, fingerprint):
             return [Report(DUPLICATE, seq, seq, "already delivered; dropped")]
-        entry = self._ring[seq % self._history]
-        known = entry is not None and entry[0] == seq
+        known = past.known(seq)
         return self._suspect(
             seq, item, fingerprint, f"seq {seq} below the next expected {self._next}", known
         )
