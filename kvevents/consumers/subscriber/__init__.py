@@ -60,10 +60,11 @@ asyncio use :class:`~kvevents.consumers.aio.AsyncSubscriber`, which drives the s
 ``items`` (the values handed out and the counters), ``options`` (settings, their checks
 and deprecated names, opening sources), ``streams`` (the shared tables and the replay
 adapters of a source), ``table`` (naming, decoding, new streams), ``outbox`` (tracker
-actions to items), ``replay`` (replay scheduling, catch-up, connection events),
-``inband`` (replays recorded in a capture), ``liveness`` (probes and staleness),
-``core`` (:class:`SubscriberCore`, which composes them) and ``blocking``
-(:class:`Subscriber`).
+actions to items), ``replay`` (replay scheduling, deadlines, catch-up requests),
+``replies`` (replies, end markers and connection events to the streams), ``inband``
+(replays recorded in a capture), ``liveness`` (probes and staleness), ``waiting`` (the
+sockets to wait on), ``core`` (:class:`SubscriberCore`, which composes them and routes
+each message) and ``blocking`` (:class:`Subscriber`).
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ from kvevents.consumers.subscriber.options import (
 )
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
+from kvevents.consumers.subscriber.replies import ReplyRouter
 from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
 from kvevents.consumers.subscriber.table import StreamTable
+from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
 from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
@@ -123,7 +125,13 @@ class SubscriberCore:
             if replay_from_start is not None:
                 settings["catch_up"] = bool(replay_from_start) or catch_up
         self.options = options = SubscriberOptions(**settings)
-        """The checked settings."""
+        """The checked settings (read-only: the rooms were built from them)."""
+        self.catch_up = options.catch_up
+        self.stale_after_s = options.stale_after_s
+        self.replay_timeout_s = options.replay_timeout_s
+        self.replay_cooldown_s = options.replay_cooldown_s
+        self.max_concurrent_replays = options.max_concurrent_replays
+        self.max_replay_batches = options.max_replay_batches
         if isinstance(topic, str):
             topic = topic.encode()
         self._sources = open_sources(
@@ -148,7 +156,6 @@ class SubscriberCore:
             self._sources,
             table,
             outbox,
-            self._liveness,
             self._inband,
             replay_timeout_s=options.replay_timeout_s,
             max_concurrent_replays=options.max_concurrent_replays,
@@ -156,44 +163,15 @@ class SubscriberCore:
             max_replay_batches=options.max_replay_batches,
         )
         outbox.schedule = self._replays.schedule
-        self._last_topic = self._replays.last_topic
+        self._replies = ReplyRouter(table, outbox, self._liveness, self._replays)
+        self._last_topic = self._replies.last_topic
         self._batch = options.receive_batch
-        self._owner: dict[Any, Source] = {}
+        self._waits = SourceWaits(self._sources)
         self._closed = False
         if options.catch_up:
             self._replays.catch_up_sources()
 
-    # --- settings -------------------------------------------------------------------
-    @property
-    def catch_up(self) -> bool:
-        """Whether new streams are replayed from seq 0 (see the package docstring)."""
-        return self.options.catch_up
-
-    @property
-    def stale_after_s(self) -> float | None:
-        """The liveness bound in seconds (None: never stale)."""
-        return self.options.stale_after_s
-
-    @property
-    def replay_timeout_s(self) -> float:
-        """How long a replay may make no progress, in seconds."""
-        return self.options.replay_timeout_s
-
-    @property
-    def replay_cooldown_s(self) -> float:
-        """How long a replay endpoint that timed out is left alone, in seconds."""
-        return self.options.replay_cooldown_s
-
-    @property
-    def max_concurrent_replays(self) -> int:
-        """The most replay requests in flight."""
-        return self.options.max_concurrent_replays
-
-    @property
-    def max_replay_batches(self) -> int:
-        """The most replies one replay request may get."""
-        return self.options.max_replay_batches
-
+    # --- deprecated names -------------------------------------------------------------
     @property
     def replay_timeout(self) -> float:
         """Deprecated name of :attr:`replay_timeout_s`."""
@@ -286,51 +264,31 @@ class SubscriberCore:
 
     def wait_sockets(self) -> list[Any]:
         """The sockets to wait on for input (readable: call :meth:`step`)."""
-        socks: list[Any] = []
-        owner: dict[Any, Source] = {}
-        for src in self._sources:
-            for sock in src.sockets():
-                socks.append(sock)
-                owner[sock] = src
-        self._owner = owner
-        return socks
+        return self._waits.sockets()
 
     def wait_seconds(self, now: float, deadline: float | None) -> float | None:
         """How long a wait may last (None: until input): until ``deadline``, the next
-        replay deadline or liveness check; 0 when an always-ready source (a file) has
-        more to read.  ``now`` and ``deadline`` are ``time.monotonic()`` seconds."""
-        waits: list[float] = []
-        if deadline is not None:
-            waits.append(deadline - now)
-        for src in self._sources:
-            if not src.exhausted and not src.sockets():
-                return 0.0
-        replay = self._replays.next_deadline_s(now)
-        if replay is not None:
-            waits.append(replay)
-        for src in self._sources:
-            redial_at = getattr(src, "redial_at", None)
-            if redial_at is not None:
-                waits.append(redial_at - now)
-        check = self._liveness.next_check_s(now)
-        if check is not None:
-            waits.append(check)
+        replay deadline, redial or liveness check; 0 when an always-ready source (a
+        file) has more to read.  ``now`` and ``deadline`` are ``time.monotonic()``
+        seconds."""
+        if self._waits.any_always_ready():
+            return 0.0
+        waits = [
+            w
+            for w in (
+                None if deadline is None else deadline - now,
+                self._replays.next_deadline_s(now),
+                self._waits.next_redial_s(now),
+                self._liveness.next_check_s(now),
+            )
+            if w is not None
+        ]
         return max(0.0, min(waits)) if waits else None
 
     def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:
-        """The sources owning ``sockets`` (readable ones from a poll), plus every
-        always-ready source (a file)."""
-        ready: list[Source] = []
-        seen: set[int] = set()
-        for sock in sockets:
-            src = self._owner.get(sock)
-            if src is not None and id(src) not in seen:
-                seen.add(id(src))
-                ready.append(src)
-        for src in self._sources:
-            if not src.exhausted and not src.sockets() and id(src) not in seen:
-                ready.append(src)
-        return ready
+        """The sources owning ``sockets`` (readable ones from a poll of
+        :meth:`wait_sockets`), plus every always-ready source (a file)."""
+        return self._waits.ready(sockets)
 
     def step(self, ready: Iterable[Source] | None, now: float) -> None:
         """Read what the ``ready`` sources have (None: every source), process it, then
@@ -392,12 +350,12 @@ class SubscriberCore:
                 self._liveness.revive(st)
             self._apply(key, tracker.live(msg.seq, item, fp))
         elif kind == REPLAY:
-            self._replays.reply(src, msg, origin, now)
+            self._replies.reply(src, msg, origin, now)
         elif kind == REPLAY_END:
             if src.replay_inband:
                 self._inband.end(src, everything=False, origin=origin)
             else:
-                self._replays.end(src, msg, now)
+                self._replies.end(src, msg, now)
         elif kind == BAD_FRAME:
             self.stats.dropped["bad_frame"] += 1
             self._outbox.log.warning(
@@ -405,20 +363,11 @@ class SubscriberCore:
             )
             self._outbox.emit(Anomaly(BAD_FRAME_KIND, origin, None, None, None, msg.detail))
         elif kind == DISCONNECTED:
-            self.stats.connections["disconnected"] += 1
-            self._replays.disconnected(src)
-            self._outbox.log.warning(
-                "disconnected:" + src.name,
-                "%s: live connection dropped (peer gone, or a frame over max_message_size_bytes)",
-                src.name,
-            )
+            self._replies.disconnected(src)
         elif kind == CONNECTED:
-            self.stats.connections["connected"] += 1
-            # What was published before this connection never arrives live.
-            self._replays.connected(src, now, catch_up=self.options.catch_up)
+            self._replies.connected(src, now, catch_up=self.catch_up)
         elif kind == REPLAY_DISCONNECTED:
-            self.stats.connections["replay_disconnected"] += 1
-            self._replays.replay_disconnected(src, msg.channel, now)
+            self._replies.replay_disconnected(src, msg.channel, now)
 
     def _probe(self, key: StreamKey, req: StartReplay) -> None:
         self._replays.schedule(key, req, probe=True)

@@ -3,10 +3,10 @@
 ``max_concurrent_replays`` at once, routes the replies back to the streams they answer,
 enforces ``replay_timeout_s`` and ``replay_cooldown_s``, and resends or fails requests
 whose connection dropped.  The start-up catch-up (the whole ring of every channel) runs
-here too.
+here too.  Replies are routed by :mod:`~kvevents.consumers.subscriber.replies`.
 
 One job: :class:`ReplayScheduler`.  May import the subscriber's items, tables, outbox,
-stream table, liveness and in-band rooms, and the source protocol.
+stream table and in-band rooms, and the source protocol.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvevents.consumers.seqtrack import StartReplay
-from kvevents.consumers.source_protocol import Source, SourceMessage
+from kvevents.consumers.source_protocol import Source
 from kvevents.consumers.subscriber.inband import InbandReplays
 from kvevents.consumers.subscriber.items import REPLAY_TIMEOUT, Anomaly
-from kvevents.consumers.subscriber.liveness import Liveness
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import (
     ChannelKey,
-    HeldBatch,
     ReplayJob,
     StreamKey,
     cancel_replay,
@@ -55,7 +53,6 @@ class ReplayScheduler:
         sources: Sequence[Source],
         table: StreamTable,
         outbox: Outbox,
-        liveness: Liveness,
         inband: InbandReplays,
         *,
         replay_timeout_s: float,
@@ -67,7 +64,6 @@ class ReplayScheduler:
         self.table = table
         self.streams = table.streams
         self.outbox = outbox
-        self.liveness = liveness
         self.inband = inband
         self.replay_timeout_s = replay_timeout_s
         self.max_concurrent_replays = max_concurrent_replays
@@ -76,11 +72,6 @@ class ReplayScheduler:
         self.queues: dict[ChannelKey, deque[ReplayJob]] = {}
         self.in_flight = 0
         """Requests sent and not finished."""
-        self.last_topic: dict[str, bytes] = {}
-        """Each source's last live topic (tags replies that carry none); the caller
-        updates it on every live batch."""
-        self.dropped: set[str] = set()
-        """Sources whose live connection dropped and has not come back."""
         self._cooldown_until: dict[ChannelKey, float] = {}
         self._cut_channels: set[ChannelKey] = set()
 
@@ -118,7 +109,7 @@ class ReplayScheduler:
         deadline = now + self.replay_timeout_s
         job = ReplayJob(key, ck, st.topic, req.start, req.replay_id, deadline, probe=probe)
         self.queues.setdefault(ck, deque()).append(job)
-        self._pump(now)
+        self.pump(now)
 
     def catch_up_sources(self) -> None:
         """Ask every replay channel for its whole ring at once, so a subscriber catches
@@ -144,111 +135,47 @@ class ReplayScheduler:
             self.outbox.stats.replays["catch_up"] += 1
             deadline = now + self.replay_timeout_s
             queue.append(ReplayJob((src.name, -1), ck, topic, 0, 0, deadline, catch_up={}))
-        self._pump(now)
+        self.pump(now)
 
-    # --- replies --------------------------------------------------------------------
-    def reply(self, src: Source, msg: SourceMessage, origin: str, now: float) -> None:
-        """A replayed batch from ``src`` (``origin``: the publisher it names)."""
-        stats = self.outbox.stats
-        ck = (src.name, msg.channel)
-        queue = self.queues.get(ck)
+    # --- seams for the reply router ---------------------------------------------------
+    def in_flight_job(self, ck: ChannelKey) -> ReplayJob | None:
+        """The request in flight on channel ``ck`` whose replies are being read, None when
+        there is none (or its DEALER was closed during this read: what was read from it
+        answers nothing now)."""
         if ck in self._cut_channels:
-            queue = None  # read from a DEALER closed since: not for the job now
-        job = queue[0] if queue and queue[0].sent else None
-        if job is None:
-            stats.dropped["stale_replay"] += 1
-            return
-        if src.name in self.dropped:
-            # The live connection dropped and has not come back: the replay endpoint
-            # may already be a new process, whose batches must not extend the old
-            # streams before the identity check the reconnect runs.
-            stats.dropped["unverified_replay"] += 1
-            return
-        job.replies += 1
-        # The timeout bounds a replay without progress: every reply renews it.
-        job.deadline = now + self.replay_timeout_s
-        table = self.table
-        decoded = table.decode(origin, msg)
-        if decoded is None:
-            return
-        # A reply without a topic frame (vLLM before 0.26) on a channel serving any
-        # topic: the stream it answers, else the source's last live topic.
-        topic = msg.topic or (
-            job.topic if job.catch_up is None else self.last_topic.get(src.name, b"")
-        )
-        key = (table.worker_source(origin, topic), decoded.data_parallel_rank or 0)
-        item = HeldBatch(topic, msg.payload, decoded, msg.recv_ts, True)
-        if job.catch_up is not None:
-            replay_id = job.catch_up.get(key)
-            if replay_id is None:
-                st = table.open(key, src, topic, now)
-                start = st.tracker.catch_up()
-                if start is None:  # already following: live traffic got there first
-                    stats.dropped["catch_up_overlap"] += 1
-                    return
-                replay_id = job.catch_up[key] = start.replay_id
-        elif key != job.stream:
-            stats.dropped["replay_other_stream"] += 1
-            return
-        else:
-            replay_id = job.replay_id
-        st = self.streams[key]
-        self.liveness.heard(st, now)
-        self.outbox.apply(key, st.tracker.replayed(replay_id, msg.seq, item, hash(msg.payload)))
-        if job.replies > self.max_replay_batches:
-            self._abandon(ck, f"replay sent over {self.max_replay_batches} batches")
-        elif job.catch_up is None and (
-            not st.tracker.replaying or st.tracker.replay_id != job.replay_id
-        ):
-            # The stream gave this replay up (too much buffered, a restart): stop
-            # reading a reply stream nobody waits for.
-            self._abandon(ck, "")
-
-    def end(self, src: Source, msg: SourceMessage, now: float) -> None:
-        """The end marker of the request in flight on ``msg``'s channel."""
-        ck = (src.name, msg.channel)
+            return None
         queue = self.queues.get(ck)
-        if not queue or not queue[0].sent or ck in self._cut_channels:
-            self.outbox.stats.dropped["stale_replay_end"] += 1
-            return
-        job = queue.popleft()
+        return queue[0] if queue and queue[0].sent else None
+
+    def complete(self, ck: ChannelKey) -> ReplayJob:
+        """Take the request in flight on ``ck`` off its queue (its end marker came; the
+        caller checks :meth:`in_flight_job` first and calls :meth:`pump` after applying
+        the end to its streams)."""
+        job = self.queues[ck].popleft()
         self.in_flight -= 1
         self.outbox.stats.replays["completed"] += 1
-        for key, replay_id in job.streams():
-            st = self.streams[key]
-            self.liveness.heard(st, now)
-            self.outbox.apply(key, st.tracker.replay_end(replay_id))
-        self._pump(now)
+        return job
 
-    # --- connection events ----------------------------------------------------------
-    def disconnected(self, src: Source) -> None:
-        """The live socket of ``src`` dropped."""
-        self.dropped.add(src.name)
+    def resend_in_flight(self, src: Source) -> None:
+        """``src``'s live connection came back: requests in flight on its channels went to
+        a connection that is gone, so they are sent again (their channels' cooldowns are
+        lifted too).  Call :meth:`pump` after."""
+        for ck, queue in self.queues.items():
+            if ck[0] == src.name and queue and queue[0].sent:
+                job = queue[0]
+                self._cut(src, ck, job.topic)
+                job.sent = False
+                self.in_flight -= 1
+                self.outbox.stats.replays["resent"] += 1
+            self._cooldown_until.pop(ck, None)
 
-    def connected(self, src: Source, now: float, *, catch_up: bool) -> None:
-        """The live socket of ``src`` connected.  After a drop, requests in flight went to
-        a connection that is gone (they are resent) and every stream's identity is
-        checked before anything the new connection delivers is applied; with
-        ``catch_up`` the ring is asked for what was published before the connection."""
-        if src.name in self.dropped:
-            self.dropped.discard(src.name)
-            for ck, queue in self.queues.items():
-                if ck[0] == src.name and queue and queue[0].sent:
-                    job = queue[0]
-                    self._cut(src, ck, job.topic)
-                    job.sent = False
-                    self.in_flight -= 1
-                    self.outbox.stats.replays["resent"] += 1
-                self._cooldown_until.pop(ck, None)
-            for key, st in list(self.streams.items()):
-                if st.src is src:
-                    self.outbox.apply(key, st.tracker.verify())
-            self._pump(now)
-        if catch_up:
-            self.catch_up_source(src, now)
-
-    def replay_disconnected(self, src: Source, channel: str, now: float) -> None:
-        """A replay DEALER lost its connection: the request in flight (if any) is lost."""
+    def replay_disconnected(
+        self, src: Source, channel: str, now: float, *, publisher_gone: bool
+    ) -> None:
+        """A replay DEALER lost its connection: the request in flight (if any) is lost.
+        It is resent (at most :data:`RESENDS` times, then failed), or dropped when the
+        publisher is gone (``publisher_gone``: its live connection dropped too) and it was
+        a catch-up, which the reconnect asks for again after checking every stream."""
         queue = self.queues.get((src.name, channel))
         if not queue or not queue[0].sent:
             return
@@ -257,9 +184,7 @@ class ReplayScheduler:
         job.sent = False
         self.in_flight -= 1
         stats = self.outbox.stats
-        if src.name in self.dropped and job.catch_up is not None:
-            # Publisher gone (live connection dropped too): the reconnect asks for the
-            # ring again, after checking every stream's identity.
+        if publisher_gone and job.catch_up is not None:
             queue.popleft()
             stats.replays["superseded"] += 1
             return
@@ -275,7 +200,7 @@ class ReplayScheduler:
             )
         else:
             stats.replays["resent"] += 1
-        self._pump(now)
+        self.pump(now)
 
     # --- deadlines ------------------------------------------------------------------
     def check_deadlines(self, now: float) -> None:
@@ -305,7 +230,7 @@ class ReplayScheduler:
             queue.clear()
             queue.extend(keep)
         if expired:
-            self._pump(now)
+            self.pump(now)
 
     def _time_out(self, ck: ChannelKey, queue: deque[ReplayJob], now: float) -> None:
         # The endpoint is dead or too slow: drop the request in flight, fail every
@@ -331,7 +256,7 @@ class ReplayScheduler:
             self._fail_job(job, detail)
 
     # --- internals ------------------------------------------------------------------
-    def _pump(self, now: float) -> None:
+    def pump(self, now: float) -> None:
         """Send queued requests while fewer than ``max_concurrent_replays`` are in flight
         (one per channel at a time: replies on a DEALER carry no request id)."""
         for ck, queue in self.queues.items():
@@ -372,7 +297,7 @@ class ReplayScheduler:
         cancel_replay(src, topic)
         self._cut_channels.add(ck)
 
-    def _abandon(self, ck: ChannelKey, detail: str) -> None:
+    def abandon(self, ck: ChannelKey, detail: str) -> None:
         """Drop the replay in flight on ``ck`` (its DEALER is closed: no reply to it can
         arrive any more); with ``detail``, its streams are told it failed."""
         queue = self.queues[ck]
@@ -383,4 +308,4 @@ class ReplayScheduler:
         if detail:
             self.outbox.log.warning(f"abandoned:{ck}", "%s: %s", ck[1], detail)
             self._fail_job(job, detail)
-        self._pump(time.monotonic())
+        self.pump(time.monotonic())
