@@ -34,6 +34,7 @@ from kvevents.consumers.subscriber import (
     SubscriberItem,
     SubscriberStats,
 )
+from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
 
 __all__ = ["AsyncSubscriber"]
 
@@ -50,8 +51,7 @@ class AsyncSubscriber:
         **options: Any,
     ) -> None:
         self._core = SubscriberCore(endpoints, topic, replay_endpoints, **options)
-        self._poller: zmq.asyncio.Poller | None = None
-        self._poller_key: tuple[int, ...] = ()
+        self._pollers = PollerCache(zmq.asyncio.Poller)
 
     @property
     def stats(self) -> SubscriberStats:
@@ -79,24 +79,18 @@ class AsyncSubscriber:
             result: SubscriberItem | None = done.value
             return result
 
-    async def _wait_readable(self, wait: float | None) -> list[Any]:
-        if wait == 0.0:
+    async def _wait_readable(self, wait_s: float | None) -> list[Any]:
+        if wait_s == 0.0:
             # A file source is ready, or a deadline is due: let other tasks run first.
             await asyncio.sleep(0)
             return []
         socks = self._core.wait_sockets()
         if not socks:
-            if wait is not None:
-                await asyncio.sleep(wait)
+            if wait_s is not None:
+                await asyncio.sleep(wait_s)
             return []
-        key = tuple(id(s) for s in socks)
-        if self._poller is None or key != self._poller_key:
-            poller = zmq.asyncio.Poller()
-            for sock in socks:
-                poller.register(sock, zmq.POLLIN)
-            self._poller, self._poller_key = poller, key
-        timeout_ms = None if wait is None else max(1, int(wait * 1000 + 0.999))
-        return [sock for sock, _ in await self._poller.poll(timeout_ms)]
+        poller = self._pollers.poller(socks)
+        return [sock for sock, _ in await poller.poll(poll_timeout_ms(wait_s, 1))]
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
         return self._iterate()
@@ -111,7 +105,7 @@ class AsyncSubscriber:
     def close(self) -> None:
         """Close the sources.  Idempotent."""
         self._core.close()
-        self._poller = None
+        self._pollers.reset()
 
     async def __aenter__(self) -> AsyncSubscriber:
         return self

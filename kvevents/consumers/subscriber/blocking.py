@@ -15,6 +15,7 @@ import zmq
 from kvevents.consumers.subscriber.core import SubscriberCore
 from kvevents.consumers.subscriber.items import SubscriberItem
 from kvevents.consumers.subscriber.options import EndpointSpec, ReplaySpec
+from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
 
 __all__ = ["Subscriber"]
 
@@ -62,8 +63,7 @@ class Subscriber(SubscriberCore):
         replay_endpoints: ReplaySpec = None,
         **options: Any,
     ) -> None:
-        self._poller: zmq.Poller | None = None
-        self._poller_key: tuple[int, ...] = ()
+        self._pollers = PollerCache(zmq.Poller)
         super().__init__(endpoints, topic, replay_endpoints, **options)
 
     def receive(self, timeout: float | None = None) -> SubscriberItem | None:
@@ -82,18 +82,12 @@ class Subscriber(SubscriberCore):
             result: SubscriberItem | None = done.value
             return result
 
-    def _poll(self, wait: float | None) -> list[Any]:
+    def _poll(self, wait_s: float | None) -> list[Any]:
         socks = self.wait_sockets()
         if not socks:
             return []
-        key = tuple(id(s) for s in socks)
-        if self._poller is None or key != self._poller_key:
-            poller = zmq.Poller()
-            for sock in socks:
-                poller.register(sock, zmq.POLLIN)
-            self._poller, self._poller_key = poller, key
-        timeout_ms = None if wait is None else max(0, int(wait * 1000 + 0.999))
-        return [sock for sock, _ in self._poller.poll(timeout_ms)]
+        poller = self._pollers.poller(socks)
+        return [sock for sock, _ in poller.poll(poll_timeout_ms(wait_s))]
 
     def __iter__(self) -> Iterator[SubscriberItem]:
         """Yield batches and anomalies until :meth:`close` (or the end of every source)."""
@@ -106,7 +100,7 @@ class Subscriber(SubscriberCore):
     def close(self) -> None:
         """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
         super().close()
-        self._poller = None
+        self._pollers.reset()
 
     def __enter__(self) -> Subscriber:
         return self

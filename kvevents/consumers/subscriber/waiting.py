@@ -1,17 +1,55 @@
 """What a subscriber waits on: the sockets of its sources, which sources a readable
-socket belongs to, and when a source wants attention without input.
+socket belongs to, when a source wants attention without input, and the poller that
+waits (:class:`PollerCache`, shared by the blocking and the asyncio subscriber).
 
-One job: :class:`SourceWaits`.  May import the source protocol only.
+One job: :class:`SourceWaits` and :class:`PollerCache`.  May import the source protocol
+and :mod:`zmq`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
 
 from kvevents.consumers.source_protocol import Source
 
-__all__ = ["SourceWaits"]
+__all__ = ["PollerCache", "SourceWaits", "poll_timeout_ms"]
+
+P = TypeVar("P", zmq.Poller, zmq.asyncio.Poller)
+
+
+class PollerCache(Generic[P]):
+    """One poller (made by ``make``: :class:`zmq.Poller` or
+    :class:`zmq.asyncio.Poller`) registered for ``POLLIN`` on a list of sockets, made
+    again only when the list changes."""
+
+    def __init__(self, make: Callable[[], P]) -> None:
+        self._make: Callable[[], P] = make
+        self._poller: P | None = None
+        self._key: tuple[int, ...] = ()
+
+    def poller(self, sockets: Sequence[Any]) -> P:
+        """The poller for ``sockets`` (the same one while they stay the same)."""
+        key = tuple(id(s) for s in sockets)
+        if self._poller is None or key != self._key:
+            poller = self._make()
+            for sock in sockets:
+                poller.register(sock, zmq.POLLIN)
+            self._poller, self._key = poller, key
+        return self._poller
+
+    def reset(self) -> None:
+        """Forget the poller (its sockets were closed)."""
+        self._poller = None
+
+
+def poll_timeout_ms(wait_s: float | None, minimum_ms: int = 0) -> int | None:
+    """A wait in seconds (None: for ever) as a poll timeout in whole milliseconds,
+    rounded up and at least ``minimum_ms``."""
+    return None if wait_s is None else max(minimum_ms, int(wait_s * 1000 + 0.999))
 
 
 class SourceWaits:
