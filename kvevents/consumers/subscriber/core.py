@@ -10,6 +10,7 @@ every room of the subscriber package, the source protocol, :mod:`kvevents.codec`
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Generator, Iterable, Sequence
@@ -19,7 +20,6 @@ import zmq
 
 from kvevents.codec import BatchDecoder
 from kvevents.consumers.deprecated import warn_renamed
-from kvevents.consumers.seqtrack import StartReplay
 from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
@@ -50,7 +50,7 @@ from kvevents.consumers.subscriber.options import (
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
 from kvevents.consumers.subscriber.replies import ReplyRouter
-from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
+from kvevents.consumers.subscriber.streams import HeldBatch
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
@@ -150,7 +150,6 @@ class SubscriberCore:
             max_pending=options.max_pending,
         )
         self._streams = table.streams
-        self._liveness = Liveness(self._streams, outbox, options.stale_after_s, self._probe)
         self._inband = InbandReplays(self._streams, outbox, options.inband_window)
         self._replays = ReplayScheduler(
             self._sources,
@@ -163,6 +162,10 @@ class SubscriberCore:
             max_replay_batches=options.max_replay_batches,
         )
         outbox.schedule = self._replays.schedule
+        # The rooms refer to each other, never to this object: dropping the last
+        # reference to a subscriber closes it at once (``__del__``).
+        probe = functools.partial(self._replays.schedule, probe=True)
+        self._liveness = Liveness(self._streams, outbox, options.stale_after_s, probe)
         self._replies = ReplyRouter(table, outbox, self._liveness, self._replays)
         self._last_topic = self._replies.last_topic
         self._batch = options.receive_batch
@@ -368,6 +371,3 @@ class SubscriberCore:
             self._replies.connected(src, now, catch_up=self.catch_up)
         elif kind == REPLAY_DISCONNECTED:
             self._replies.replay_disconnected(src, msg.channel, now)
-
-    def _probe(self, key: StreamKey, req: StartReplay) -> None:
-        self._replays.schedule(key, req, probe=True)
