@@ -186,7 +186,9 @@ class CaptureWriter:
         self.write_record(rec)
 
     def write_record(self, rec: CaptureRecord) -> None:
-        """Append one :class:`CaptureRecord`."""
+        """Append one :class:`CaptureRecord` (:class:`CaptureError` after :meth:`close`)."""
+        if self._fh.closed:
+            raise CaptureError(f"{self.path}: the capture writer is closed")
         body = _ENC.encode(rec)
         self._fh.write(_RECORD.pack(len(body), zlib.crc32(body)) + body)
         self.records_written += 1
@@ -195,6 +197,9 @@ class CaptureWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Write buffered records to the file (no-op after :meth:`close`)."""
+        if self._fh.closed:
+            return
         self._fh.flush()
         self._pending = 0
 
@@ -269,6 +274,11 @@ class CaptureReader:
             self._damage = f"corrupt header metadata: {exc}"
 
     def __iter__(self) -> Iterator[CaptureRecord]:
+        if self._fh.closed:
+            raise CaptureError(f"{self.path}: the capture reader is closed")
+        return self._records()
+
+    def _records(self) -> Iterator[CaptureRecord]:
         fh = self._fh
         pos = self.good_bytes
         if self._resync_from is not None:
