@@ -89,11 +89,9 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
         # kvevents.serve: the package, its cli, config, stack and tokens modules
         "lazy: kvevents.serve imports kvevents.errors inside a function",
         "lazy: kvevents.serve.cli imports kvevents.serve inside a function",
-        "lazy: kvevents.serve.cli imports kvevents.serve.app inside a function",
         "lazy: kvevents.serve.cli imports kvevents.serve.config inside a function",
         "lazy: kvevents.serve.cli imports kvevents.serve.loadgen inside a function",
         "lazy: kvevents.serve.cli imports kvevents.sim.http inside a function",
-        "lazy: kvevents.serve.stack imports kvevents.serve.app inside a function",
         "lazy: kvevents.serve.tokens imports kvevents.sim.tokenizer inside a function",
         # kvevents.sim.demo: the demo drives serve, which runs the simulator (serve <-> sim)
         "lazy: kvevents.sim.demo.config imports kvevents.serve.loadgen inside a function",
