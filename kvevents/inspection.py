@@ -14,15 +14,6 @@ from typing import Any
 
 from kvevents.capture import CaptureRecord
 from kvevents.codec import BatchDecoder, describe_payload
-from kvevents.consumers.seqtrack import (
-    DUPLICATE,
-    GAP,
-    PUBLISHER_RESTART,
-    Deliver,
-    Drop,
-    Report,
-    StreamTracker,
-)
 from kvevents.errors import ConfigError, DecodeError
 from kvevents.events import (
     MEDIUM_GPU,
@@ -30,6 +21,15 @@ from kvevents.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+)
+from kvevents.seqtrack import (
+    DUPLICATE,
+    GAP,
+    PUBLISHER_RESTART,
+    Deliver,
+    Drop,
+    Report,
+    StreamTracker,
 )
 
 __all__ = [
@@ -326,7 +326,7 @@ def summarize(
     """Count events, seq anomalies and placeholder joins over ``records``.
 
     Seqs are tracked per ``(source, dp_rank)`` by a
-    :class:`~kvevents.consumers.seqtrack.StreamTracker` without replay (a capture cannot
+    :class:`~kvevents.seqtrack.StreamTracker` without replay (a capture cannot
     be asked for one): a jump is a gap (its seqs missing), a seq already applied with the
     same payload (or one reported missing, arriving late) a duplicate whose events are not
     counted again, any other seq going back a restart.

@@ -1,4 +1,4 @@
-"""What a :class:`~kvevents.consumers.seqtrack.StreamTracker` remembers of a stream's
+"""What a :class:`~kvevents.seqtrack.StreamTracker` remembers of a stream's
 past: the fingerprints of the last delivered seqs and the seq ranges reported lost.
 
 One job: :class:`SeqHistory`.  Imports nothing of kvevents.

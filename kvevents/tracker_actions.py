@@ -1,4 +1,4 @@
-"""What a :class:`~kvevents.consumers.seqtrack.StreamTracker` answers with: the actions
+"""What a :class:`~kvevents.seqtrack.StreamTracker` answers with: the actions
 its caller carries out, in order, and the anomaly kinds it reports.
 
 * :class:`Deliver` - hand this batch to the application (strictly increasing ``seq``;
