@@ -1,9 +1,7 @@
 """Pure sequence tracking for one publisher stream (one ``(endpoint, topic, dp_rank)``).
 
-A core module (imports only :mod:`kvevents.errors` and its two helpers
-:mod:`kvevents.tracker_actions` and :mod:`kvevents.seqhistory`): the subscriber uses it
-through :mod:`kvevents.consumers.seqtrack`, and ``kvevents inspect`` to summarise a
-capture.
+A core module (used by the subscriber and by ``kvevents inspect``); imports only
+:mod:`kvevents.errors`, :mod:`kvevents.tracker_actions` and :mod:`kvevents.seqhistory`.
 
 A :class:`StreamTracker` is fed what arrived (live batches, replayed batches, the end of
 a replay, a failed replay) and answers with *actions* for its caller, in the order the
