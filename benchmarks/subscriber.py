@@ -217,7 +217,7 @@ def gap_recovery(gap: int, repeats: int) -> tuple[float, float]:
     ctx = zmq.Context.instance()
     try:
         for _ in range(repeats):
-            with Subscriber(ep, replay_endpoints=[rep], replay_timeout=30, catch_up=False) as sub:
+            with Subscriber(ep, replay_endpoints=[rep], replay_timeout_s=30, catch_up=False) as sub:
                 t_gap = None
                 while True:
                     item = sub.receive(30)
@@ -327,7 +327,7 @@ def _sub_under_flood(limit: int | None, frames: int, size: int) -> tuple[float, 
     ep = f"tcp://127.0.0.1:{ports.get(timeout=30)}"
 
     def run() -> None:
-        with Subscriber(ep, max_message_size=limit, stale_after_s=None) as sub:
+        with Subscriber(ep, max_message_size_bytes=limit, stale_after_s=None) as sub:
             end = time.monotonic() + 120
             while not done.is_set() and time.monotonic() < end:
                 sub.receive(0.05)

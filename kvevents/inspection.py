@@ -22,6 +22,15 @@ from kvevents.events import (
     KVEvent,
     KVEventBatch,
 )
+from kvevents.seqtrack import (
+    DUPLICATE,
+    GAP,
+    PUBLISHER_RESTART,
+    Deliver,
+    Drop,
+    Report,
+    StreamTracker,
+)
 
 __all__ = [
     "EVENT_TYPES",
@@ -342,6 +351,12 @@ def summarize(
 ) -> CaptureSummary:
     """Count events, seq anomalies and placeholder joins over ``records``.
 
+    Seqs are tracked per ``(source, dp_rank)`` by a
+    :class:`~kvevents.seqtrack.StreamTracker` without replay (a capture cannot
+    be asked for one): a jump is a gap (its seqs missing), a seq already applied with the
+    same payload (or one reported missing, arriving late) a duplicate whose events are not
+    counted again, any other seq going back a restart.
+
     With ``event_filter`` only the matching events are counted; a placeholder counts as
     joined when a GPU store of its (worker, group, hash) came earlier in the capture,
     whether or not that store matches the filter.  ``values``, when given, observes every
@@ -349,7 +364,7 @@ def summarize(
     """
     s = CaptureSummary()
     dec = BatchDecoder()
-    last_seq: dict[tuple[str, int], int] = {}
+    trackers: dict[tuple[str, int], StreamTracker[None]] = {}
     gpu_keys: set[tuple[str, int | None, Any]] = set()
     for rec in records:
         s.records += 1
@@ -373,22 +388,8 @@ def summarize(
             pass
         rank = batch.data_parallel_rank or 0
         worker = f"{rec.source}#{rank}"
-        if rec.seq >= 0:
-            key = (rec.source, rank)
-            prev = last_seq.get(key)
-            if prev is not None:
-                if rec.seq == prev + 1:
-                    pass
-                elif rec.seq > prev + 1:
-                    s.seq_gaps += 1
-                    s.seq_missing += rec.seq - prev - 1
-                elif rec.seq == prev or rec.replayed:
-                    s.seq_duplicates += 1
-                    continue
-                else:
-                    s.seq_restarts += 1
-            if prev is None or rec.seq > prev or not rec.replayed:
-                last_seq[key] = rec.seq
+        if rec.seq >= 0 and not _track(trackers, s, (rec.source, rank), rec):
+            continue  # a duplicate: its events were counted with the first copy
         for i, e in enumerate(batch.events):
             ev = DecodedEvent(rec, batch, i, e)
             if values is not None:
@@ -417,6 +418,34 @@ def summarize(
                     s.placeholders_joined += 1
     s.unknown_tags = dec.stats.unknown_tags
     return s
+
+
+def _track(
+    trackers: dict[tuple[str, int], StreamTracker[None]],
+    s: CaptureSummary,
+    key: tuple[str, int],
+    rec: CaptureRecord,
+) -> bool:
+    """Feed ``rec`` to ``key``'s tracker and count what it reports in ``s``; True when
+    the record is applied (its events count)."""
+    tracker = trackers.get(key)
+    if tracker is None:
+        tracker = trackers[key] = StreamTracker(replayable=False, catch_up=False)
+    applied = False
+    for act in tracker.live(rec.seq, None, hash(rec.payload)):
+        if isinstance(act, Deliver):
+            applied = True
+        elif isinstance(act, Report):
+            if act.kind == GAP and act.first_seq is not None and act.last_seq is not None:
+                s.seq_gaps += 1
+                s.seq_missing += act.last_seq - act.first_seq + 1
+            elif act.kind == DUPLICATE:
+                s.seq_duplicates += 1
+            elif act.kind == PUBLISHER_RESTART:
+                s.seq_restarts += 1
+        elif isinstance(act, Drop) and act.reason == "late":
+            s.seq_duplicates += 1
+    return applied
 
 
 def _utc(ts: float) -> str:

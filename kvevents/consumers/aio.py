@@ -9,15 +9,17 @@ blocks the event loop::
             ...
 
 It yields the same :class:`ReceivedBatch` / :class:`Anomaly` values in the same order as
-the sync subscriber would for the same traffic: both drive one
-:class:`~kvevents.consumers.subscriber.SubscriberCore` through its public stepping
-interface (catch-up, restart detection, liveness and every counter included).  Use it from one task at a time.
+the sync subscriber would for the same traffic: both run one
+:class:`~kvevents.consumers.subscriber.SubscriberCore`'s public receive loop
+(:meth:`~kvevents.consumers.subscriber.SubscriberCore.receiving`: catch-up, restart
+detection, liveness and every counter included) and differ only in how they wait.  Use
+it from one task at a time.  Imports only the public API of
+:mod:`kvevents.consumers.subscriber`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -28,11 +30,11 @@ import zmq.asyncio
 from kvevents.consumers.subscriber import (
     EndpointSpec,
     ReplaySpec,
-    Subscriber,
     SubscriberCore,
     SubscriberItem,
     SubscriberStats,
 )
+from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
 
 __all__ = ["AsyncSubscriber"]
 
@@ -44,13 +46,12 @@ class AsyncSubscriber:
     def __init__(
         self,
         endpoints: EndpointSpec | Sequence[EndpointSpec],
-        topic: bytes = b"",
+        topic: bytes | str = b"",
         replay_endpoints: ReplaySpec = None,
         **options: Any,
     ) -> None:
-        self._core: SubscriberCore = Subscriber(endpoints, topic, replay_endpoints, **options)
-        self._poller: zmq.asyncio.Poller | None = None
-        self._poller_key: tuple[int, ...] = ()
+        self._core = SubscriberCore(endpoints, topic, replay_endpoints, **options)
+        self._pollers = PollerCache(zmq.asyncio.Poller)
 
     @property
     def stats(self) -> SubscriberStats:
@@ -66,43 +67,30 @@ class AsyncSubscriber:
         """The next batch or anomaly, waiting up to ``timeout`` seconds (None: for ever);
         None on timeout, after :meth:`close`, or when every source is exhausted."""
         core = self._core
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            item = core.take()
-            if item is not None:
-                return item
-            if core.closed or core.finished():
-                return None
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                core.step(None, now)
-                return core.take()
-            wait = core.wait_seconds(now, deadline)
-            if wait == 0.0:
-                # A file source is ready, or a deadline is due: process, but let other
-                # tasks run in between.
-                core.step(core.ready_sources(()), now)
-                await asyncio.sleep(0)
-                continue
-            ready = await self._wait_readable(wait)
-            if core.closed:
-                return None
-            core.step(core.ready_sources(ready), time.monotonic())
+        item = core.take()  # the common case: processed and waiting
+        if item is not None:
+            return item
+        loop = core.receiving(timeout)
+        try:
+            wait = next(loop)
+            while True:
+                wait = loop.send(await self._wait_readable(wait))
+        except StopIteration as done:
+            result: SubscriberItem | None = done.value
+            return result
 
-    async def _wait_readable(self, wait: float | None) -> list[Any]:
+    async def _wait_readable(self, wait_s: float | None) -> list[Any]:
+        if wait_s == 0.0:
+            # A file source is ready, or a deadline is due: let other tasks run first.
+            await asyncio.sleep(0)
+            return []
         socks = self._core.wait_sockets()
         if not socks:
-            if wait is not None:
-                await asyncio.sleep(wait)
+            if wait_s is not None:
+                await asyncio.sleep(wait_s)
             return []
-        key = tuple(id(s) for s in socks)
-        if self._poller is None or key != self._poller_key:
-            poller = zmq.asyncio.Poller()
-            for sock in socks:
-                poller.register(sock, zmq.POLLIN)
-            self._poller, self._poller_key = poller, key
-        timeout_ms = None if wait is None else max(1, int(wait * 1000 + 0.999))
-        return [sock for sock, _ in await self._poller.poll(timeout_ms)]
+        poller = self._pollers.poller(socks)
+        return [sock for sock, _ in await poller.poll(poll_timeout_ms(wait_s, 1))]
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
         return self._iterate()
@@ -117,7 +105,7 @@ class AsyncSubscriber:
     def close(self) -> None:
         """Close the sources.  Idempotent."""
         self._core.close()
-        self._poller = None
+        self._pollers.reset()
 
     async def __aenter__(self) -> AsyncSubscriber:
         return self

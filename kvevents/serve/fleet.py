@@ -242,7 +242,7 @@ class Fleet:
             # every stream is caught up from the start of its publisher's replay buffer
             self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
-                replay_timeout=config.replay_timeout_s,
+                replay_timeout_s=config.replay_timeout_s,
                 catch_up=True,
             )
         except BaseException:

@@ -166,9 +166,7 @@ def test_ipv6_publisher_is_followed_live_and_through_replay():
         while pub.stats.batches_published < 3:
             assert time.monotonic() < sent_by, "publisher never sent its batches"
             time.sleep(0.001)
-        with Subscriber(
-            pub.endpoint, replay_endpoints=[pub.replay_endpoint], replay_from_start=True
-        ) as sub:
+        with Subscriber(pub.endpoint, replay_endpoints=[pub.replay_endpoint], catch_up=True) as sub:
             replayed: list[int] = []
             live = False
             deadline = time.monotonic() + 10

@@ -19,6 +19,7 @@ from kvevents.consumers import (
     ReceivedBatch,
     Subscriber,
     ZmqSource,
+    sources,
 )
 from kvevents.errors import ConfigError
 
@@ -207,8 +208,8 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
             [dead.endpoint, healthy.endpoint],
             topic=b"kv",
             replay_endpoints=[dead.replay_endpoint, healthy.replay_endpoint],
-            replay_timeout=1.5,
-            replay_cooldown=60,
+            replay_timeout_s=1.5,
+            replay_cooldown_s=60,
             catch_up=False,
         ) as sub,
     ):
@@ -249,7 +250,7 @@ def test_a_long_replay_that_keeps_arriving_is_not_timed_out():
     an application slower than the replay must not lose batches that are already
     sitting in the replay socket."""
     n = 30
-    with FaultyPublisher() as pub, connect(pub, replay_timeout=0.3, receive_batch=1) as sub:
+    with FaultyPublisher() as pub, connect(pub, replay_timeout_s=0.3, receive_batch=1) as sub:
         sent = pub.publish_many((make_batch(i) for i in range(n + 1)), skip=range(1, n))
         items: list[object] = []
         deadline = time.monotonic() + 20
@@ -283,7 +284,7 @@ def test_replays_are_bounded_in_concurrency():
             [a.endpoint, b.endpoint],
             replay_endpoints=[a.replay_endpoint, b.replay_endpoint],
             max_concurrent_replays=1,
-            replay_timeout=20,
+            replay_timeout_s=20,
         ) as sub,
     ):
         a.wait_for_subscribers()
@@ -416,7 +417,44 @@ def test_configuration_errors_are_clear():
     with pytest.raises(ConfigError, match="at least one"):
         Subscriber([])
     with pytest.raises(ConfigError, match="replay_timeout"):
-        Subscriber("tcp://127.0.0.1:1", replay_timeout=0)
+        Subscriber("tcp://127.0.0.1:1", replay_timeout_s=0)
+
+
+def test_deprecated_option_names_still_work_and_warn():
+    """The names without a unit are accepted for one release, with a DeprecationWarning
+    that points at the caller, and mean what the new names mean."""
+    with pytest.warns(DeprecationWarning) as rec:
+        sub = Subscriber(
+            "tcp://127.0.0.1:1",
+            replay_timeout=2.5,
+            replay_cooldown=7,
+            max_message_size=1024,
+            catch_up=False,
+        )
+    try:
+        assert {str(w.message).split("'")[1] for w in rec} == {
+            "replay_timeout",
+            "replay_cooldown",
+            "max_message_size",
+        }
+        assert all(w.filename == __file__ for w in rec)
+        assert (sub.replay_timeout_s, sub.replay_cooldown_s) == (2.5, 7)
+        src = sub.sources[0]
+        assert isinstance(src, ZmqSource) and src.max_message_size_bytes == 1024
+        with pytest.warns(DeprecationWarning, match="replay_timeout_s"):
+            assert sub.replay_timeout == 2.5
+        with pytest.warns(DeprecationWarning, match="replay_cooldown_s"):
+            assert sub.replay_cooldown == 7
+        with pytest.warns(DeprecationWarning, match="max_message_size_bytes"):
+            assert src.max_message_size == 1024
+    finally:
+        sub.close()
+    with pytest.warns(DeprecationWarning, match="max_message_size_bytes"):
+        ZmqSource("tcp://127.0.0.1:1", max_message_size=0).close()
+    with pytest.warns(DeprecationWarning, match="DEFAULT_MAX_MESSAGE_SIZE_BYTES"):
+        assert sources.DEFAULT_MAX_MESSAGE_SIZE == sources.DEFAULT_MAX_MESSAGE_SIZE_BYTES
+    with pytest.raises(TypeError, match="replay_timout"):
+        Subscriber("tcp://127.0.0.1:1", replay_timout=1)
 
 
 def test_source_objects_and_topic_filtering():

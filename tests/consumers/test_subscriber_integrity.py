@@ -326,8 +326,8 @@ def test_silent_engine_is_stale_only_when_its_replay_endpoint_is_silent_too():
             topic=b"kv",
             replay_endpoints=[pub.replay_endpoint, None],
             stale_after_s=0.6,
-            replay_timeout=0.3,
-            replay_cooldown=0,
+            replay_timeout_s=0.3,
+            replay_cooldown_s=0,
         )
         index = BlockIndex()
         router = Router(index)
@@ -374,8 +374,8 @@ def test_oversize_frame_is_refused_counted_and_the_stream_goes_on():
             pub.endpoint,
             topic=b"kv",
             replay_endpoints=[pub.replay_endpoint],
-            max_message_size=limit,
-            replay_timeout=2,
+            max_message_size_bytes=limit,
+            replay_timeout_s=2,
             stale_after_s=None,
         )
         try:

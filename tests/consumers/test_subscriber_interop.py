@@ -34,7 +34,7 @@ def test_follows_our_publisher_and_catches_up_whatever_the_join_timing():
             loopback(pub.endpoint),
             topic=b"kv@pod",
             replay_endpoints=[loopback(pub.replay_endpoint)],
-            replay_from_start=True,
+            catch_up=True,
         ) as sub:
             # A PUB gives no sign of a subscriber joining: publish until something
             # arrives; whatever the slow joiner missed is caught up through replay.

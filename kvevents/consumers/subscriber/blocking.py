@@ -1,0 +1,114 @@
+"""The blocking subscriber: :class:`Subscriber` waits for its sockets with
+:class:`zmq.Poller` and runs :meth:`SubscriberCore.receiving`.
+
+One job: the blocking wait.  May import the subscriber's core and options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from kvevents.consumers.subscriber.core import SubscriberCore
+from kvevents.consumers.subscriber.items import SubscriberItem
+from kvevents.consumers.subscriber.options import EndpointSpec, ReplaySpec
+from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
+
+__all__ = ["Subscriber"]
+
+
+class Subscriber(SubscriberCore):
+    """Follow the batches of many publishers, repairing gaps by replay.
+
+    ``endpoints``: one endpoint string or :class:`~kvevents.consumers.sources.Source`, or
+    a sequence of them.  A string becomes a :class:`~kvevents.consumers.sources.ZmqSource`
+    subscribed to ``topic`` (a prefix: ``b"kv@"`` follows every ``kv@...`` engine behind
+    a proxy); a path ending in ``.kvcap`` (or prefixed ``capture:``) becomes a
+    :class:`~kvevents.consumers.sources.CaptureSource`.  ``replay_endpoints`` gives the
+    replay (ROUTER) endpoints: a sequence aligned with ``endpoints`` (None entries
+    allowed), or a mapping whose keys are an endpoint (its replay endpoint for every
+    topic) or ``"<endpoint>#<topic>"`` (the replay endpoint of that topic's engine behind
+    a shared endpoint).
+
+    Options: ``catch_up`` (default True) replays every new stream from the oldest seq its
+    publisher holds and asks each replay endpoint for its ring at start
+    (``replay_from_start`` is its deprecated alias); ``replay_timeout_s`` bounds how
+    long a worker's stream may wait on a replay that makes no progress (to start,
+    including queueing, and between two replies); ``max_concurrent_replays`` bounds
+    replays in flight over all sources; ``replay_cooldown_s`` is how long a replay
+    endpoint that timed out is not asked again; ``stale_after_s`` (default
+    :data:`~kvevents.consumers.subscriber.DEFAULT_STALE_AFTER_S`; None: never) is the
+    liveness bound; ``decoder`` is a :class:`~kvevents.codec.BatchDecoder` to use (its
+    stats count skipped events); ``history`` and ``max_pending`` (counts of batches) are
+    passed to each :class:`~kvevents.consumers.seqtrack.StreamTracker`; ``rcvhwm`` is the
+    SUB high-water mark (messages); ``max_message_size_bytes`` (default 64 MiB; None:
+    unlimited) the ``ZMQ_MAXMSGSIZE`` of every socket; ``curve`` a
+    :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
+    ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
+    is abandoned and its holes reported); ``receive_batch`` the most messages read from
+    one source per wake-up; ``inband_window`` how many live records of a capture may
+    follow a gap before the recorded replay answering it is given up (the gap is then
+    reported lost).  Durations are seconds.  ``replay_timeout``, ``replay_cooldown`` and
+    ``max_message_size`` are the deprecated names of the unit-suffixed options (one
+    release, with a :class:`DeprecationWarning`).
+    """
+
+    def __init__(
+        self,
+        endpoints: EndpointSpec | Sequence[EndpointSpec],
+        topic: bytes | str = b"",
+        replay_endpoints: ReplaySpec = None,
+        **options: Any,
+    ) -> None:
+        self._pollers = PollerCache(zmq.Poller)
+        super().__init__(endpoints, topic, replay_endpoints, **options)
+
+    def receive(self, timeout: float | None = None) -> SubscriberItem | None:
+        """Return the next batch or anomaly, waiting up to ``timeout`` seconds (None: for
+        ever).  Returns None on timeout, after :meth:`close`, or when every source is
+        exhausted (capture files read to the end) and nothing is left."""
+        item = self.take()  # the common case: processed and waiting
+        if item is not None:
+            return item
+        loop = self.receiving(timeout)
+        try:
+            wait = next(loop)
+            while True:
+                wait = loop.send(self._poll(wait))
+        except StopIteration as done:
+            result: SubscriberItem | None = done.value
+            return result
+
+    def _poll(self, wait_s: float | None) -> list[Any]:
+        socks = self.wait_sockets()
+        if not socks:
+            return []
+        poller = self._pollers.poller(socks)
+        return [sock for sock, _ in poller.poll(poll_timeout_ms(wait_s))]
+
+    def __iter__(self) -> Iterator[SubscriberItem]:
+        """Yield batches and anomalies until :meth:`close` (or the end of every source)."""
+        while True:
+            item = self.receive(None)
+            if item is None:
+                return
+            yield item
+
+    def close(self) -> None:
+        """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
+        super().close()
+        self._pollers.reset()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,373 @@
+"""The subscriber's engine without a way to wait: :class:`SubscriberCore`.
+
+One job: compose the rooms (stream table, outbox, replay scheduler, in-band replays,
+liveness) and route each source message to the one that handles it, behind a small
+public driving interface that the blocking :class:`~kvevents.consumers.subscriber.Subscriber`
+and the asyncio :class:`~kvevents.consumers.aio.AsyncSubscriber` both use.  May import
+every room of the subscriber package, the source protocol, :mod:`kvevents.codec` and
+:mod:`kvevents.ratelimit`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any
+
+import zmq
+
+from kvevents.codec import BatchDecoder
+from kvevents.consumers.deprecated import warn_renamed
+from kvevents.consumers.source_protocol import (
+    BAD_FRAME,
+    CONNECTED,
+    DISCONNECTED,
+    LIVE,
+    REPLAY,
+    REPLAY_DISCONNECTED,
+    REPLAY_END,
+    Source,
+    SourceMessage,
+)
+from kvevents.consumers.subscriber.inband import InbandReplays
+from kvevents.consumers.subscriber.items import (
+    BAD_FRAME_KIND,
+    DEFAULT_STALE_AFTER_S,
+    Anomaly,
+    SubscriberItem,
+    SubscriberStats,
+)
+from kvevents.consumers.subscriber.liveness import Liveness
+from kvevents.consumers.subscriber.options import (
+    EndpointSpec,
+    ReplaySpec,
+    SubscriberOptions,
+    open_sources,
+    resolve_deprecated,
+)
+from kvevents.consumers.subscriber.outbox import Outbox
+from kvevents.consumers.subscriber.replay import ReplayScheduler
+from kvevents.consumers.subscriber.replies import ReplyRouter
+from kvevents.consumers.subscriber.streams import HeldBatch
+from kvevents.consumers.subscriber.table import StreamTable
+from kvevents.consumers.subscriber.waiting import SourceWaits
+from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
+from kvevents.ratelimit import RateLimitedLog
+from kvevents.security import CurveClientConfig
+
+__all__ = ["SubscriberCore"]
+
+logger = logging.getLogger("kvevents.consumers.subscriber")
+
+
+class SubscriberCore:
+    """The subscriber's engine without a way to wait: decoding, seq tracking, replay
+    scheduling, liveness.  :class:`~kvevents.consumers.subscriber.Subscriber` (blocking)
+    and :class:`~kvevents.consumers.aio.AsyncSubscriber` (asyncio) drive it through this
+    public interface:
+
+    * :meth:`take` - the next item ready, or None;
+    * :meth:`receiving` - the receive loop without the wait: it yields how long to wait
+      for :meth:`wait_sockets` and is sent the readable ones (both wrappers run it);
+    * :meth:`wait_sockets`, :meth:`wait_seconds`, :meth:`ready_sources` and :meth:`step`
+      - the pieces of that loop, for a caller with its own event loop;
+    * :meth:`finished` / :attr:`closed` / :meth:`close`.
+
+    Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`.  Old option names
+    (``replay_timeout``, ``replay_cooldown``, ``max_message_size``,
+    ``replay_from_start``) are accepted for one release with a
+    :class:`DeprecationWarning`.
+    """
+
+    def __init__(
+        self,
+        endpoints: EndpointSpec | Sequence[EndpointSpec],
+        topic: bytes | str = b"",
+        replay_endpoints: ReplaySpec = None,
+        *,
+        catch_up: bool = True,
+        replay_timeout_s: float = 5.0,
+        max_concurrent_replays: int = 4,
+        replay_cooldown_s: float = 10.0,
+        stale_after_s: float | None = DEFAULT_STALE_AFTER_S,
+        decoder: BatchDecoder | None = None,
+        context: zmq.Context[Any] | None = None,
+        history: int = 4096,
+        max_pending: int = 100_000,
+        rcvhwm: int = 100_000,
+        max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
+        curve: CurveClientConfig | None = None,
+        max_replay_batches: int = 1_000_000,
+        receive_batch: int = 256,
+        inband_window: int = 1024,
+        **deprecated: Any,
+    ) -> None:
+        self._closed = True  # until the sources are open
+        settings: dict[str, Any] = {
+            "catch_up": catch_up,
+            "replay_timeout_s": replay_timeout_s,
+            "max_concurrent_replays": max_concurrent_replays,
+            "replay_cooldown_s": replay_cooldown_s,
+            "stale_after_s": stale_after_s,
+            "history": history,
+            "max_pending": max_pending,
+            "rcvhwm": rcvhwm,
+            "max_message_size_bytes": max_message_size_bytes,
+            "max_replay_batches": max_replay_batches,
+            "receive_batch": receive_batch,
+            "inband_window": inband_window,
+        }
+        if deprecated:
+            renamed, replay_from_start = resolve_deprecated(deprecated, type(self).__name__)
+            settings.update(renamed)
+            if replay_from_start is not None:
+                settings["catch_up"] = bool(replay_from_start) or catch_up
+        self.options = options = SubscriberOptions(**settings)
+        """The checked settings (read-only: the rooms were built from them)."""
+        self.catch_up = options.catch_up
+        self.stale_after_s = options.stale_after_s
+        self.replay_timeout_s = options.replay_timeout_s
+        self.replay_cooldown_s = options.replay_cooldown_s
+        self.max_concurrent_replays = options.max_concurrent_replays
+        self.max_replay_batches = options.max_replay_batches
+        if isinstance(topic, str):
+            topic = topic.encode()
+        self._sources = open_sources(
+            endpoints, topic, replay_endpoints, options, context=context, curve=curve
+        )
+        self.stats = SubscriberStats()
+        self.decoder = decoder if decoder is not None else BatchDecoder()
+        outbox = self._outbox = Outbox(self.stats, RateLimitedLog(logger))
+        self._out = outbox.items
+        self._apply = outbox.apply
+        table = self._table = StreamTable(
+            outbox,
+            self.decoder,
+            catch_up=options.catch_up,
+            history=options.history,
+            max_pending=options.max_pending,
+        )
+        self._streams = table.streams
+        self._inband = InbandReplays(self._streams, outbox, options.inband_window)
+        self._replays = ReplayScheduler(
+            self._sources,
+            table,
+            outbox,
+            self._inband,
+            replay_timeout_s=options.replay_timeout_s,
+            max_concurrent_replays=options.max_concurrent_replays,
+            replay_cooldown_s=options.replay_cooldown_s,
+            max_replay_batches=options.max_replay_batches,
+        )
+        outbox.schedule = self._replays.schedule
+        # The rooms refer to each other, never to this object: dropping the last
+        # reference to a subscriber closes it at once (``__del__``).
+        probe = functools.partial(self._replays.schedule, probe=True)
+        self._liveness = Liveness(self._streams, outbox, options.stale_after_s, probe)
+        self._replies = ReplyRouter(table, outbox, self._liveness, self._replays)
+        self._last_topic = self._replies.last_topic
+        self._batch = options.receive_batch
+        self._waits = SourceWaits(self._sources)
+        self._closed = False
+        if options.catch_up:
+            self._replays.catch_up_sources()
+
+    # --- deprecated names -------------------------------------------------------------
+    @property
+    def replay_timeout(self) -> float:
+        """Deprecated name of :attr:`replay_timeout_s`."""
+        warn_renamed("replay_timeout", "replay_timeout_s", type(self).__name__)
+        return self.options.replay_timeout_s
+
+    @property
+    def replay_cooldown(self) -> float:
+        """Deprecated name of :attr:`replay_cooldown_s`."""
+        warn_renamed("replay_cooldown", "replay_cooldown_s", type(self).__name__)
+        return self.options.replay_cooldown_s
+
+    # --- the driving interface ----------------------------------------------------------
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """The sources, in the order given."""
+        return tuple(self._sources)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def stale_workers(self) -> list[tuple[str, int]]:
+        """The workers currently stale (see the package docstring), sorted."""
+        return sorted(k for k, s in self._streams.items() if s.stale)
+
+    def gauges(self, now: float | None = None) -> dict[str, float]:
+        """Current state, for metrics (``now``: wall-clock seconds, default the time now).
+
+        ``workers``: ``(source, dp_rank)`` streams seen (the stale ones are in
+        ``stats.stale_workers``); ``replays_in_flight``: replay requests sent and not finished;
+        ``replay_lag_batches``: live batches held back behind gaps being replayed;
+        ``replay_lag_seconds``: how long the stream held back longest has delivered
+        nothing (seconds since its last delivered batch; 0 when no stream is replaying).
+        Reads copies of the subscriber's tables, so a scrape thread may call it."""
+        now = time.time() if now is None else now
+        last = dict(self._outbox.last_delivery)
+        streams = list(self._streams.items())
+        held = 0
+        lag = 0.0
+        for key, st in streams:
+            if st.tracker.replaying:
+                held += st.tracker.pending
+                since = last.get(key)
+                if since is not None:
+                    lag = max(lag, now - since)
+        return {
+            "workers": len(streams),
+            "replays_in_flight": self._replays.in_flight,
+            "replay_lag_batches": held,
+            "replay_lag_seconds": max(lag, 0.0),
+        }
+
+    def take(self) -> SubscriberItem | None:
+        """The next batch or anomaly already processed, or None."""
+        return self._out.popleft() if self._out else None
+
+    def finished(self) -> bool:
+        """Every source is exhausted (capture files read to the end) and nothing is left."""
+        return all(s.exhausted for s in self._sources) and self._inband.idle and not self._out
+
+    def receiving(
+        self, timeout_s: float | None
+    ) -> Generator[float | None, Iterable[Any], SubscriberItem | None]:
+        """The receive loop, without the wait: returns the next batch or anomaly, or None
+        after ``timeout_s`` seconds (None: no limit), after :meth:`close`, or when every
+        source is exhausted and nothing is left.
+
+        Until then it yields how long to wait (seconds; None: until input; 0.0: just
+        let others run) for any of :meth:`wait_sockets` to become readable; send it the
+        readable ones (empty after a wait that timed out)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            item = self.take()
+            if item is not None:
+                return item
+            if self._closed or self.finished():
+                return None
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                # Read what is already there before giving up.
+                self.step(None, now)
+                return self.take()
+            readable = yield self.wait_seconds(now, deadline)
+            if self._closed:
+                return None
+            self.step(self.ready_sources(readable), time.monotonic())
+
+    def wait_sockets(self) -> list[Any]:
+        """The sockets to wait on for input (readable: call :meth:`step`)."""
+        return self._waits.sockets()
+
+    def wait_seconds(self, now: float, deadline: float | None) -> float | None:
+        """How long a wait may last (None: until input): until ``deadline``, the next
+        replay deadline, redial or liveness check; 0 when an always-ready source (a
+        file) has more to read.  ``now`` and ``deadline`` are ``time.monotonic()``
+        seconds."""
+        if self._waits.any_always_ready():
+            return 0.0
+        waits = [
+            w
+            for w in (
+                None if deadline is None else deadline - now,
+                self._replays.next_deadline_s(now),
+                self._waits.next_redial_s(now),
+                self._liveness.next_check_s(now),
+            )
+            if w is not None
+        ]
+        return max(0.0, min(waits)) if waits else None
+
+    def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:
+        """The sources owning ``sockets`` (readable ones from a poll of
+        :meth:`wait_sockets`), plus every always-ready source (a file)."""
+        return self._waits.ready(sockets)
+
+    def step(self, ready: Iterable[Source] | None, now: float) -> None:
+        """Read what the ``ready`` sources have (None: every source), process it, then
+        enforce replay deadlines and liveness.  ``now`` is ``time.monotonic()``."""
+        replays = self._replays
+        for src in self._sources if ready is None else ready:
+            replays.new_read()
+            for msg in src.receive(self._batch):
+                self._process(src, msg, now)
+            if src.exhausted and src.replay_inband:
+                self._inband.end(src, everything=True)
+        replays.check_deadlines(now)
+        self._liveness.check(now)
+        for src in self._sources:
+            maintain = getattr(src, "maintain", None)
+            if maintain is not None:
+                maintain(now)
+
+    def close(self) -> None:
+        """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for src in self._sources:
+            try:
+                src.close()
+            except Exception:  # pragma: no cover - closing must not raise
+                logger.exception("error closing %s", src.name)
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    # --- message routing --------------------------------------------------------------
+    def _process(self, src: Source, msg: SourceMessage, now: float) -> None:
+        kind = msg.kind
+        origin = msg.origin or src.name
+        if kind == LIVE:
+            table = self._table
+            decoded = table.decode(origin, msg)
+            if decoded is None:
+                return
+            self._last_topic[src.name] = msg.topic
+            key = (table.worker_source(origin, msg.topic), decoded.data_parallel_rank or 0)
+            st = self._streams.get(key) or table.open(key, src, msg.topic, now)
+            tracker = st.tracker
+            item = HeldBatch(msg.topic, msg.payload, decoded, msg.recv_ts, msg.replayed)
+            fp = hash(msg.payload)
+            if src.replay_inband:
+                if self._inband.live(key, tracker, msg, item, fp):
+                    return
+            elif self._liveness.resumed_after_silence(st, now):
+                self._apply(key, tracker.verify())
+            st.heard = st.live_at = now
+            if st.stale:
+                self._liveness.revive(st)
+            self._apply(key, tracker.live(msg.seq, item, fp))
+        elif kind == REPLAY:
+            self._replies.reply(src, msg, origin, now)
+        elif kind == REPLAY_END:
+            if src.replay_inband:
+                self._inband.end(src, everything=False, origin=origin)
+            else:
+                self._replies.end(src, msg, now)
+        elif kind == BAD_FRAME:
+            self.stats.dropped["bad_frame"] += 1
+            self._outbox.log.warning(
+                "bad_frame:" + origin, "%s: skipped a malformed message: %s", origin, msg.detail
+            )
+            self._outbox.emit(Anomaly(BAD_FRAME_KIND, origin, None, None, None, msg.detail))
+        elif kind == DISCONNECTED:
+            self._replies.disconnected(src)
+        elif kind == CONNECTED:
+            self._replies.connected(src, now, catch_up=self.catch_up)
+        elif kind == REPLAY_DISCONNECTED:
+            self._replies.replay_disconnected(src, msg.channel, now)

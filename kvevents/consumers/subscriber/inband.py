@@ -1,0 +1,95 @@
+"""Replays answered in band: a capture file cannot be asked for a replay, but the
+replayed records it holds after a gap are the replay that answered it.
+
+One job: :class:`InbandReplays`.  A recorded replay ends at a recorded end marker, at the
+first live record after a reply, or when no reply came within ``inband_window`` live
+records (the gap was never repaired, and is reported lost).  May import the subscriber's
+tables and outbox.
+"""
+
+from __future__ import annotations
+
+from kvevents.consumers.seqtrack import StartReplay, StreamTracker
+from kvevents.consumers.source_protocol import Source, SourceMessage
+from kvevents.consumers.subscriber.outbox import Outbox
+from kvevents.consumers.subscriber.streams import HeldBatch, ReplayJob, Stream, StreamKey
+
+__all__ = ["InbandReplays"]
+
+
+class InbandReplays:
+    """The in-band replays waiting for their records, one per stream of ``streams``.
+    ``inband_window``: live records a gap may be followed by before it is given up."""
+
+    def __init__(
+        self, streams: dict[StreamKey, Stream], outbox: Outbox, inband_window: int
+    ) -> None:
+        self.streams = streams
+        self.outbox = outbox
+        self.inband_window = inband_window
+        self.jobs: dict[StreamKey, ReplayJob] = {}
+
+    @property
+    def idle(self) -> bool:
+        """No recorded replay is awaited."""
+        return not self.jobs
+
+    def start(self, key: StreamKey, st: Stream, req: StartReplay) -> None:
+        """Await the recorded replay answering ``req`` of stream ``key``."""
+        self.outbox.stats.replays["inband"] += 1
+        self.jobs[key] = ReplayJob(
+            key, (st.src.name, ""), st.topic, req.start, req.replay_id, float("inf"), True
+        )
+
+    def live(
+        self,
+        key: StreamKey,
+        tracker: StreamTracker[HeldBatch],
+        msg: SourceMessage,
+        item: HeldBatch,
+        fingerprint: int,
+    ) -> bool:
+        """Route a capture's record of stream ``key``: True when it was consumed (a
+        recorded reply, or a stale replayed record dropped); False when the caller
+        applies it as a live batch."""
+        job = self.jobs.get(key)
+        if job is not None:
+            if msg.replayed:
+                job.replies += 1
+                self.outbox.apply(key, tracker.replayed(job.replay_id, msg.seq, item, fingerprint))
+                return True
+            job.waited += 1
+            if job.replies or job.waited > self.inband_window:
+                self.end_job(key, job)
+        elif msg.replayed and tracker.last is not None and msg.seq <= tracker.last:
+            self.outbox.stats.dropped["stale_replay"] += 1
+            return True
+        return False
+
+    def end_job(self, key: StreamKey, job: ReplayJob) -> None:
+        """The recorded replay of ``key`` is over: it ended, or never came."""
+        del self.jobs[key]
+        tracker = self.streams[key].tracker
+        if job.replies:
+            self.outbox.apply(key, tracker.replay_end(job.replay_id))
+        else:  # a recording without the replay that answered: nothing to check it by
+            self.outbox.apply(key, tracker.replay_failed(job.replay_id, "not in the capture"))
+
+    def end(self, src: Source, *, everything: bool, origin: str = "") -> None:
+        """A recorded end marker of ``origin`` (or, with ``everything``, the end of the
+        file ``src``): end the replays it answers; at the end of the file, whatever is
+        still waiting on a replay the file never held is lost."""
+        for key, job in list(self.jobs.items()):
+            st = self.streams.get(key)
+            owned = st is not None and st.src is src
+            mine = everything or key[0] == origin or key[0].startswith(origin + "#")
+            if owned and mine and key in self.jobs:
+                self.end_job(key, job)
+        if everything:
+            for key, job in list(self.jobs.items()):
+                if self.streams[key].src is src:
+                    del self.jobs[key]
+                    self.outbox.apply(
+                        key,
+                        self.streams[key].tracker.replay_failed(job.replay_id, "capture ended"),
+                    )

@@ -1,0 +1,181 @@
+"""A subscriber's settings and inputs: :class:`SubscriberOptions` (validated, with units
+in every duration and size name) and :func:`open_sources` (endpoint strings to
+:class:`~kvevents.consumers.sources.Source` objects).
+
+One job: turn what a user passes into checked settings and open sources.  The old names
+``replay_timeout``, ``replay_cooldown`` and ``max_message_size`` are accepted for one
+release with a :class:`DeprecationWarning` (:data:`RENAMED_OPTIONS`), as is
+``replay_from_start`` (now ``catch_up``).  May import :mod:`kvevents.consumers.sources`,
+:mod:`kvevents.security` and :mod:`kvevents.errors`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import zmq
+
+from kvevents.consumers.capture_source import CaptureSource
+from kvevents.consumers.deprecated import renamed_kwargs
+from kvevents.consumers.source_protocol import Source
+from kvevents.consumers.subscriber.items import DEFAULT_STALE_AFTER_S
+from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES, ZmqSource
+from kvevents.errors import ConfigError
+from kvevents.security import CurveClientConfig
+
+__all__ = [
+    "RENAMED_OPTIONS",
+    "EndpointSpec",
+    "ReplaySpec",
+    "SubscriberOptions",
+    "open_sources",
+    "resolve_deprecated",
+]
+
+EndpointSpec = Union[str, Source]
+"""An endpoint string (``tcp://...``, a ``.kvcap`` path, ``capture:<path>``) or a source."""
+
+ReplaySpec = Union[Sequence[Union[str, None]], Mapping[str, str], None]
+"""Replay endpoints: aligned with the endpoints, or keyed by endpoint / ``endpoint#topic``."""
+
+RENAMED_OPTIONS: Mapping[str, str] = {
+    "replay_timeout": "replay_timeout_s",
+    "replay_cooldown": "replay_cooldown_s",
+    "max_message_size": "max_message_size_bytes",
+}
+"""Deprecated option names (one release) and the names that replaced them."""
+
+
+@dataclass(frozen=True)
+class SubscriberOptions:
+    """Every setting of a subscriber, checked on construction (a bad value raises
+    :class:`~kvevents.errors.ConfigError`).  See
+    :class:`~kvevents.consumers.subscriber.Subscriber` for what each one does; durations
+    are seconds, sizes bytes, the other bounds counts."""
+
+    catch_up: bool = True
+    replay_timeout_s: float = 5.0
+    max_concurrent_replays: int = 4
+    replay_cooldown_s: float = 10.0
+    stale_after_s: float | None = DEFAULT_STALE_AFTER_S
+    history: int = 4096
+    max_pending: int = 100_000
+    rcvhwm: int = 100_000
+    max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES
+    max_replay_batches: int = 1_000_000
+    receive_batch: int = 256
+    inband_window: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.replay_timeout_s <= 0 or self.max_concurrent_replays < 1:
+            raise ConfigError(
+                "replay_timeout_s must be > 0, max_concurrent_replays >= 1, replay_cooldown_s >= 0"
+            )
+        if self.replay_cooldown_s < 0:
+            raise ConfigError("replay_cooldown_s must be >= 0")
+        if self.stale_after_s is not None and self.stale_after_s <= 0:
+            raise ConfigError(f"stale_after_s must be > 0 or None, got {self.stale_after_s}")
+
+
+def resolve_deprecated(
+    deprecated: Mapping[str, Any], where: str, *, frames_up: int = 2
+) -> tuple[dict[str, Any], bool | None]:
+    """Split the deprecated keywords a subscriber got into ``(new name -> value,
+    replay_from_start or None)``, warning for each; :class:`TypeError` for an unknown
+    keyword.  ``frames_up``: how many frames above the caller of this function the
+    user's call is (2: a wrapper's ``__init__`` calls the core's, which calls this)."""
+    given = dict(deprecated)
+    replay_from_start = given.pop("replay_from_start", None)
+    if replay_from_start is not None:
+        warnings.warn(
+            "replay_from_start is deprecated: catch-up is the default (catch_up=True)",
+            DeprecationWarning,
+            stacklevel=2 + frames_up,
+        )
+    renamed = renamed_kwargs(given, RENAMED_OPTIONS, where, stacklevel=4 + frames_up)
+    return renamed, replay_from_start
+
+
+def open_sources(
+    endpoints: EndpointSpec | Sequence[EndpointSpec],
+    topic: bytes,
+    replay_endpoints: ReplaySpec,
+    options: SubscriberOptions,
+    *,
+    context: zmq.Context[Any] | None = None,
+    curve: CurveClientConfig | None = None,
+) -> list[Source]:
+    """The sources for ``endpoints`` (strings become :class:`ZmqSource` or
+    :class:`CaptureSource`; sources are kept), with their replay endpoints.  Raises
+    :class:`~kvevents.errors.ConfigError` for no endpoint, a replay map naming none, or
+    duplicate source names; closes what it opened before raising."""
+    specs: list[EndpointSpec] = (
+        [endpoints] if isinstance(endpoints, (str, Source)) else list(endpoints)
+    )
+    if not specs:
+        raise ConfigError("Subscriber needs at least one endpoint or source")
+    replay_for, by_topic = _replay_map(specs, replay_endpoints)
+    sources: list[Source] = []
+    try:
+        for spec in specs:
+            if not isinstance(spec, str):
+                sources.append(spec)
+            elif spec.startswith("capture:"):
+                sources.append(CaptureSource(spec[len("capture:") :], name=spec))
+            elif spec.endswith(".kvcap") and "://" not in spec:
+                sources.append(CaptureSource(spec, name=spec))
+            else:
+                sources.append(
+                    ZmqSource(
+                        spec,
+                        topic,
+                        replay_for.get(spec),
+                        replay_by_topic=by_topic.get(spec),
+                        context=context,
+                        rcvhwm=options.rcvhwm,
+                        max_message_size_bytes=options.max_message_size_bytes,
+                        curve=curve,
+                    )
+                )
+    except BaseException:
+        for src in sources:
+            src.close()
+        raise
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        for src in sources:
+            src.close()
+        raise ConfigError(f"source names must be unique: {names}")
+    return sources
+
+
+def _replay_map(
+    specs: Sequence[EndpointSpec], replay: ReplaySpec
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """``(endpoint -> replay endpoint, endpoint -> {topic -> replay endpoint})``."""
+    if replay is None:
+        return {}, {}
+    if isinstance(replay, Mapping):
+        plain: dict[str, str] = {}
+        by_topic: dict[str, dict[str, str]] = {}
+        endpoints = {s for s in specs if isinstance(s, str)}
+        for k, v in replay.items():
+            if k in endpoints:
+                plain[k] = v
+                continue
+            ep, sep, topic = k.partition("#")
+            if not sep or ep not in endpoints:
+                raise ConfigError(
+                    f"replay_endpoints key {k!r} names no endpoint given "
+                    "(use '<endpoint>' or '<endpoint>#<topic>')"
+                )
+            by_topic.setdefault(ep, {})[topic] = v
+        return plain, by_topic
+    if isinstance(replay, str):
+        replay = [replay]
+    if len(replay) != len(specs):
+        raise ConfigError(f"replay_endpoints has {len(replay)} entries for {len(specs)} endpoints")
+    return {s: r for s, r in zip(specs, replay) if isinstance(s, str) and r is not None}, {}

@@ -1,0 +1,116 @@
+"""Where a subscriber's items wait to be taken: the :class:`Outbox` turns a
+:class:`~kvevents.consumers.seqtrack.StreamTracker`'s actions into
+:class:`~kvevents.consumers.subscriber.ReceivedBatch` and
+:class:`~kvevents.consumers.subscriber.Anomaly` values, in order, and counts them.
+
+One job: actions in, items and counters out.  A :class:`StartReplay` action is handed to
+the replay room through the ``schedule`` hook.  May import the subscriber's items and
+tables, :mod:`kvevents.consumers.seqtrack` and :mod:`kvevents.ratelimit`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from kvevents.consumers.seqtrack import (
+    DUPLICATE,
+    GAP,
+    HISTORY_MISSED,
+    UNRECOVERABLE_LOSS,
+    Deliver,
+    Drop,
+    Report,
+    StartReplay,
+    TrackerAction,
+)
+from kvevents.consumers.subscriber.items import (
+    Anomaly,
+    ReceivedBatch,
+    SubscriberItem,
+    SubscriberStats,
+)
+from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
+from kvevents.ratelimit import RateLimitedLog
+
+__all__ = ["Outbox", "ScheduleHook"]
+
+ScheduleHook = Callable[[StreamKey, StartReplay], None]
+"""Called for each :class:`StartReplay` action, in action order."""
+
+
+def _no_schedule(key: StreamKey, req: StartReplay) -> None:  # pragma: no cover - replaced
+    raise RuntimeError("Outbox.schedule is not connected to a replay scheduler")
+
+
+class Outbox:
+    """The items ready to be taken (:attr:`items`, oldest first) and the counters
+    (:attr:`stats`).  :attr:`last_delivery` maps each stream to the wall-clock receive
+    time of its last delivered batch.  :attr:`schedule` must be set by the owner before
+    the first :meth:`apply` that may start a replay."""
+
+    __slots__ = ("items", "last_delivery", "log", "schedule", "stats")
+
+    def __init__(self, stats: SubscriberStats, log: RateLimitedLog) -> None:
+        self.stats = stats
+        self.log = log
+        self.items: deque[SubscriberItem] = deque()
+        self.last_delivery: dict[StreamKey, float] = {}
+        self.schedule: ScheduleHook = _no_schedule
+
+    def emit(self, anomaly: Anomaly) -> None:
+        """Count ``anomaly`` and queue it."""
+        self.stats.anomalies[anomaly.kind] += 1
+        self.items.append(anomaly)
+
+    def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
+        """Carry out ``actions`` of stream ``key``'s tracker in order: deliver batches,
+        report anomalies (logging the ones that need attention), count drops and hand
+        replay requests to :attr:`schedule`."""
+        source, rank = key
+        stats = self.stats
+        for act in actions:
+            if isinstance(act, Deliver):
+                it = act.item
+                replayed = act.replayed or it.replayed
+                stats.batches += 1
+                stats.events += len(it.batch.events)
+                if replayed:
+                    stats.replayed_batches += 1
+                self.last_delivery[key] = it.recv_ts
+                self.items.append(
+                    ReceivedBatch(
+                        source,
+                        rank,
+                        act.seq,
+                        it.batch,
+                        replayed,
+                        it.topic,
+                        it.payload,
+                        it.recv_ts,
+                    )
+                )
+            elif isinstance(act, Report):
+                if act.first_seq is not None and act.last_seq is not None:
+                    if act.kind == UNRECOVERABLE_LOSS:
+                        stats.lost_batches += act.last_seq - act.first_seq + 1
+                    elif act.kind == HISTORY_MISSED:
+                        stats.missed_batches += act.last_seq - act.first_seq + 1
+                if act.kind == DUPLICATE:
+                    stats.dropped[DUPLICATE] += 1
+                if act.kind not in (GAP, DUPLICATE, HISTORY_MISSED):
+                    self.log.warning(
+                        f"{act.kind}:{source}",
+                        "%s rank %d: %s seq %s..%s (%s)",
+                        source,
+                        rank,
+                        act.kind,
+                        act.first_seq,
+                        act.last_seq,
+                        act.detail,
+                    )
+                self.emit(Anomaly(act.kind, source, rank, act.first_seq, act.last_seq, act.detail))
+            elif isinstance(act, Drop):
+                stats.dropped[act.reason] += 1
+            elif isinstance(act, StartReplay):
+                self.schedule(key, act)

@@ -1,0 +1,357 @@
+"""A vLLM-compatible ZeroMQ publisher as a subscriber input.
+
+One job: :class:`ZmqSource` (a SUB on the live endpoint, a DEALER per replay endpoint,
+socket monitors for connection events) and the parsing of its frames.  May import
+:mod:`kvevents.codec`, :mod:`kvevents.endpoints`, :mod:`kvevents.security`,
+:mod:`kvevents.errors` and the source protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.consumers.deprecated import renamed_kwargs, warn_renamed
+from kvevents.consumers.source_protocol import (
+    BAD_FRAME,
+    CONNECTED,
+    DISCONNECTED,
+    LIVE,
+    REPLAY,
+    REPLAY_DISCONNECTED,
+    REPLAY_END,
+    SourceMessage,
+)
+from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
+from kvevents.errors import ConfigError
+from kvevents.security import CurveClientConfig, apply_curve_client
+
+__all__ = ["DEFAULT_MAX_MESSAGE_SIZE_BYTES", "ZmqSource"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_SIZE_BYTES = 64 * 1024 * 1024
+"""Default ``ZMQ_MAXMSGSIZE`` of a :class:`ZmqSource`'s sockets (64 MiB): a frame above
+it is refused by ZMQ, which drops the connection (counted; it reconnects)."""
+
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_REDIAL_AFTER_S = 0.5
+"""After a drop with no reconnect attempt by libzmq within this long, dial again."""
+
+
+class ZmqSource:
+    """A vLLM-compatible publisher: SUB on ``endpoint``, DEALERs on its replay endpoints.
+
+    The SUB connects (it binds only to a wildcard address - ``*``, ``0.0.0.0``, ``[::]``
+    - for publishers that connect out; :attr:`bound_endpoint` then holds the bound
+    address) and subscribes to ``topic`` (a prefix).  ``rcvhwm`` is the SUB's receive
+    high-water mark in messages.
+
+    Replay: ``replay_endpoint`` serves every topic; ``replay_by_topic`` maps a topic
+    (str or bytes) to its own replay endpoint, for several engines behind one XSUB/XPUB
+    proxy (each engine keeps its own ROUTER).  Each replay endpoint is a *channel*
+    (:meth:`replay_channel`) with one DEALER, created on its first replay and closed
+    (dropping replies in flight) by :meth:`cancel_replay`.  A reply without a topic
+    frame (vLLM before 0.26) is tagged with the channel's topic.
+
+    ``max_message_size_bytes`` (default :data:`DEFAULT_MAX_MESSAGE_SIZE_BYTES`; 0 or
+    None: no limit) is set as ``ZMQ_MAXMSGSIZE`` on the SUB and every DEALER.  Connection events
+    (a socket monitor) come out as :data:`CONNECTED` / :data:`DISCONNECTED` messages
+    for the SUB and :data:`REPLAY_DISCONNECTED` for a DEALER, so the subscriber can
+    check a stream's identity after a reconnect and resend a lost replay request.
+
+    ``replay_rcvhwm`` bounds the replies queued on a DEALER (messages; ZMQ then stops
+    reading that connection until they are consumed: flow control, not loss).
+    ``curve`` (a :class:`~kvevents.security.CurveClientConfig`) makes the SUB and every
+    DEALER CURVE clients of a publisher that requires authentication (off by default).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: bytes = b"",
+        replay_endpoint: str | None = None,
+        *,
+        replay_by_topic: Mapping[str, str] | Mapping[bytes, str] | None = None,
+        name: str | None = None,
+        context: zmq.Context[Any] | None = None,
+        rcvhwm: int = 100_000,
+        max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
+        monitor: bool = True,
+        curve: CurveClientConfig | None = None,
+        replay_rcvhwm: int = 1_000,
+        **deprecated: Any,
+    ) -> None:
+        if deprecated:
+            renamed = renamed_kwargs(
+                deprecated, {"max_message_size": "max_message_size_bytes"}, "ZmqSource"
+            )
+            max_message_size_bytes = renamed["max_message_size_bytes"]
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
+        self._by_topic: dict[bytes, str] = {}
+        for t, ep in (replay_by_topic or {}).items():
+            self._by_topic[t.encode() if isinstance(t, str) else bytes(t)] = ep
+        for rep in [replay_endpoint, *self._by_topic.values()]:
+            if rep is not None and (not isinstance(rep, str) or "://" not in rep):
+                raise ConfigError(f"not a ZMQ replay endpoint: {rep!r}")
+        if max_message_size_bytes is not None and max_message_size_bytes < 0:
+            raise ConfigError(f"max_message_size_bytes must be >= 0, got {max_message_size_bytes}")
+        self._name = name or endpoint
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.max_message_size_bytes: int = max_message_size_bytes or -1
+        """``ZMQ_MAXMSGSIZE`` of every socket (bytes; -1: no limit)."""
+        self.replay_rcvhwm = replay_rcvhwm
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_size_bytes)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._curve = curve
+        try:
+            apply_curve_client(self._sub, curve)
+        except ConfigError:
+            self._sub.close(0)
+            raise
+        enable_ipv6_if_needed(self._sub, endpoint)
+        self._monitor: zmq.Socket[bytes] | None = (
+            self._sub.get_monitor_socket(_MONITORED) if monitor else None
+        )
+        self._want_monitor = monitor
+        self.bound_endpoint: str | None = None
+        """The address the SUB bound (the real port for ``:0``); None when it connects."""
+        try:
+            if is_wildcard_endpoint(endpoint):
+                self._sub.bind(endpoint)
+                last = self._sub.getsockopt(zmq.LAST_ENDPOINT)
+                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
+            else:
+                self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sub()
+            raise ConfigError(f"cannot open {endpoint!r}: {exc}") from exc
+        # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
+        self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
+        self._closed = False
+        self.redial_at: float | None = None
+        """When :meth:`maintain` dials again (monotonic seconds), or None."""
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def max_message_size(self) -> int:
+        """Deprecated name of :attr:`max_message_size_bytes`."""
+        warn_renamed("max_message_size", "max_message_size_bytes", "ZmqSource", stacklevel=3)
+        return self.max_message_size_bytes
+
+    @property
+    def can_replay(self) -> bool:
+        return self.replay_endpoint is not None or bool(self._by_topic)
+
+    @property
+    def monitored(self) -> bool:
+        """Whether connection events (:data:`CONNECTED`, ...) are reported."""
+        return self._want_monitor
+
+    @property
+    def replay_inband(self) -> bool:
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self._closed
+
+    def replay_channel(self, topic: bytes = b"") -> str | None:
+        """The replay endpoint that serves ``topic`` (None: no replay for it)."""
+        return self._by_topic.get(topic, self.replay_endpoint)
+
+    def replay_channels(self) -> dict[str, bytes]:
+        """Every configured replay endpoint, with the topic it serves (``b""``: any)."""
+        out = {ep: t for t, ep in self._by_topic.items()}
+        if self.replay_endpoint is not None:
+            out.setdefault(self.replay_endpoint, b"")
+        return out
+
+    def sockets(self) -> Sequence[Any]:
+        if self._closed:
+            return []
+        out: list[Any] = [self._sub]
+        if self._monitor is not None:
+            out.append(self._monitor)
+        for dealer, mon, _ in self._dealers.values():
+            out.append(dealer)
+            if mon is not None:
+                out.append(mon)
+        return out
+
+    def receive(self, limit: int) -> list[SourceMessage]:
+        out: list[SourceMessage] = []
+        if self._closed:
+            return out
+        now = time.time()
+        # Connection events first: a reconnect must be known before what it delivered.
+        if self._monitor is not None:
+            for event in _events(self._monitor):
+                if event == zmq.EVENT_CONNECT_RETRIED:
+                    self.redial_at = None  # libzmq reconnects by itself
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.redial_at = None
+                    out.append(SourceMessage(CONNECTED, recv_ts=now))
+                else:
+                    out.append(SourceMessage(DISCONNECTED, recv_ts=now))
+                    if self.bound_endpoint is None:
+                        self.redial_at = time.monotonic() + _REDIAL_AFTER_S
+        sub = self._sub
+        for _ in range(limit):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) == 3 and len(frames[1]) == 8:
+                out.append(
+                    SourceMessage(LIVE, frames[0], int.from_bytes(frames[1], "big"), frames[2], now)
+                )
+            else:
+                out.append(SourceMessage(BAD_FRAME, recv_ts=now, detail=_describe_live(frames)))
+        for channel, (dealer, mon, topic) in list(self._dealers.items()):
+            for _ in range(limit):
+                try:
+                    frames = dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = _parse_replay(frames, now)
+                msg.channel = channel
+                if not msg.topic:
+                    msg.topic = topic
+                out.append(msg)
+            # After the replies: those already read arrived before the drop.
+            if mon is not None:
+                for event in _events(mon):
+                    if event == zmq.EVENT_DISCONNECTED:
+                        out.append(
+                            SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
+                        )
+        return out
+
+    def maintain(self, now: float) -> None:
+        """Dial again when the live connection dropped and libzmq is not reconnecting:
+        it reconnects by itself after a network error but not after a protocol error
+        (a frame over ``max_message_size_bytes``), whose session is gone.  ``now`` is
+        ``time.monotonic()``; :attr:`redial_at` says when this is due (None: never)."""
+        if self.redial_at is None or now < self.redial_at or self._closed:
+            return
+        self.redial_at = None
+        try:
+            self._sub.disconnect(self.endpoint)  # the ended session still holds the address
+        except zmq.ZMQError:
+            pass
+        try:
+            self._sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before
+            logger.warning("%s: cannot reconnect: %s", self._name, exc)
+
+    def request_replay(self, start: int, topic: bytes = b"") -> None:
+        channel = self.replay_channel(topic)
+        if channel is None:
+            raise ConfigError(f"{self._name}: no replay endpoint for topic {topic!r}")
+        entry = self._dealers.get(channel)
+        if entry is None:
+            dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            # Bounded: beyond it ZMQ stops reading the connection (flow control, no
+            # loss), so a peer that floods replies cannot grow this process's memory.
+            dealer.setsockopt(zmq.RCVHWM, self.replay_rcvhwm)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size_bytes)
+            apply_curve_client(dealer, self._curve)
+            enable_ipv6_if_needed(dealer, channel)
+            mon = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self._want_monitor else None
+            dealer.connect(channel)
+            entry = self._dealers[channel] = (
+                dealer,
+                mon,
+                self.replay_channels().get(channel, topic),
+            )
+        try:
+            entry[0].send_multipart(pack_replay_request(start), zmq.NOBLOCK)
+        except zmq.Again:
+            # Not connected yet and nothing queued: the request is lost; the caller's
+            # timeout reports it.
+            logger.debug("%s: replay request not queued (endpoint unreachable)", self._name)
+
+    def cancel_replay(self, topic: bytes | None = None) -> None:
+        """Close the DEALER of ``topic``'s channel (None: every channel)."""
+        channels = list(self._dealers) if topic is None else [self.replay_channel(topic)]
+        for channel in channels:
+            entry = self._dealers.pop(channel, None) if channel is not None else None
+            if entry is not None:
+                dealer, mon, _ = entry
+                if mon is not None:
+                    dealer.disable_monitor()
+                    mon.close(0)
+                dealer.close(0)
+
+    def _close_sub(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        self._sub.close(0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.cancel_replay()
+            self._close_sub()
+
+    def __repr__(self) -> str:
+        return f"ZmqSource({self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
+
+
+def _events(mon: zmq.Socket[bytes]) -> list[int]:
+    """Drain a monitor socket without blocking: the event numbers."""
+    out: list[int] = []
+    while True:
+        try:
+            msg = recv_monitor_message(mon, zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        out.append(int(msg["event"]))
+
+
+def _describe_live(frames: Sequence[bytes]) -> str:
+    if len(frames) != 3:
+        return f"live message has {len(frames)} frame(s), expected 3 [topic, seq, payload]"
+    return f"live seq frame has {len(frames[1])} bytes, expected 8"
+
+
+def _parse_replay(frames: Sequence[bytes], now: float) -> SourceMessage:
+    """Read a DEALER reply: ``[b"", topic, seq, payload]`` (0.26+) or ``[b"", seq, payload]``
+    (before 0.26); the end marker has ``END_SEQ`` as seq (or an empty payload)."""
+    n = len(frames)
+    if n == 4 and not frames[0]:
+        topic, seq_frame, payload = frames[1], frames[2], frames[3]
+    elif n == 3 and not frames[0]:
+        topic, seq_frame, payload = b"", frames[1], frames[2]
+    else:
+        return SourceMessage(
+            BAD_FRAME,
+            recv_ts=now,
+            detail=f"replay reply has {n} frame(s), expected [b'', (topic,) seq, payload]",
+        )
+    if seq_frame == END_SEQ or not payload:
+        return SourceMessage(REPLAY_END, topic, -1, b"", now)
+    if len(seq_frame) != 8:
+        return SourceMessage(
+            BAD_FRAME, recv_ts=now, detail=f"replay seq frame has {len(seq_frame)} bytes"
+        )
+    return SourceMessage(REPLAY, topic, int.from_bytes(seq_frame, "big"), payload, now)
