@@ -169,7 +169,9 @@ def simple_matches(
     aligned = 0  # slots whose GPU end is a whole number of chunks
     hit = 0  # slots with a non-zero end
     for u, gmask in lay.gpu_classes:
-        nxt = chunk if len(chunk) <= 1 else [c for c in chunk if c[1] & gmask]
+        nxt: Sequence[tuple[int, int]] = chunk
+        if len(chunk) > 1:
+            nxt = [c for c in chunk if c[1] & gmask]
         got, st, al = walk(gkeys[u - 1 :: u], get, u, unit, gmask, _EMPTY, 0, gpu_end,
                            pos_bits, nxt)  # fmt: skip
         hit |= got
@@ -197,9 +199,11 @@ def simple_matches(
         credited = 0
         for i, (v, cmask) in enumerate(chunk):
             st = by_class[i]
-            late = sum(st.values())  # disjoint slot sets: the sum is the union
-            got, nst, _ = walk(keys[v - 1 :: v], marks.get, v, unit, cmask & ~late, st,
-                               aligned, end, pos_bits, ((v, cmask),) if want_next else ())  # fmt: skip
+            # slots with a hit in an earlier tier start late (where ``st`` says); the
+            # others at the first chunk
+            nxt = ((v, cmask),) if want_next else ()
+            got, nst, _ = walk(keys[v - 1 :: v], marks.get, v, unit, cmask & ~hit, st,
+                               aligned, end, pos_bits, nxt)  # fmt: skip
             credited |= got
             if want_next:
                 # STORAGE starts after the CPU hit, or where the CPU walk started
