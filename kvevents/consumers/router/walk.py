@@ -76,17 +76,21 @@ def walk(
 
     Returns ``(credited slots, next tier's starts, next tier's aligned slots)``.
     """
-    joins = sorted(starts.items()) if starts else []
-    if first:
-        if joins and joins[0][0] == step:
-            joins[0] = (step, joins[0][1] | first)
-        else:
-            joins.insert(0, (step, first))
     nstarts: dict[int, int] = {}
-    if not joins:
+    if starts:
+        joins = sorted(starts.items())
+        if first:
+            if joins[0][0] == step:
+                joins[0] = (step, joins[0][1] | first)
+            else:
+                joins.insert(0, (step, first))
+    elif first:
+        joins = [(step, first)]
+    else:
         return 0, nstarts, 0
     it = iter(joins)
     nj, new = next(it)
+    nj -= step  # walk position (units before the key) at which ``new`` joins
     check = bool(starts)  # the credit rule only concerns slots that join late
     sget = starts.get
     nv = nmask = 0
@@ -99,49 +103,52 @@ def walk(
     pend = 0  # credited slots that start the next tier at ``nfirst``
     naligned = 0
     alive = credited = 0
-    j = 0
+    e = 0  # units before the current key
     for k in chain(ks, _SENTINEL):
-        j += step
         now = alive & get(k, 0)  # type: ignore[arg-type]
-        if now != alive or j == nj:
-            b = alive ^ now  # these slots' run of hits ends at j - step
-            if j == nj:
-                now |= new & get(k, 0)  # type: ignore[arg-type]
+        if now != alive or e == nj:
+            b = alive ^ now  # these slots' run of hits ends at e
+            if e == nj:
+                got = new & get(k, 0)  # type: ignore[arg-type]
+                now |= got
+                credited |= got
                 nj, new = next(it, _NO_JOIN)
+                nj -= step
             alive = now
             if b:
-                e = j - step
                 if check:
                     st = sget(e)
                     if st:
-                        b &= ~(st & ~aligned)  # joined at e with an unaligned base
-                if b:
-                    credited |= b
-                    if nv:
-                        if e >= nfirst:
-                            if pend:
-                                nstarts[nfirst] = pend
-                                pend = 0
-                            nfirst = (e // nv + 1) * nv
-                        cb = b & nmask
-                        pend |= cb
-                        if e == nfirst - nv:
-                            naligned |= cb
-                    elif many:
-                        for v, mask in many:
-                            cb = b & mask
-                            if cb:
-                                f = (e // v + 1) * v
-                                nstarts[f] = nstarts.get(f, 0) | cb
-                                if not e % v:
-                                    naligned |= cb
-                    tokens = e * unit
-                    while b:  # one slot per bit, highest first (the int shrinks)
-                        p = b.bit_length()
-                        end[p] = tokens
-                        b ^= pos_bits[p]
-            if not alive and not nj:
+                        lost = b & st & ~aligned  # joined at e with an unaligned base
+                        if lost:
+                            credited ^= lost
+                            b ^= lost
+                if nv:
+                    if e >= nfirst:
+                        if pend:
+                            nstarts[nfirst] = pend
+                            pend = 0
+                        nfirst = (e // nv + 1) * nv
+                    cb = b & nmask
+                    pend |= cb
+                    if e == nfirst - nv:
+                        naligned |= cb
+                elif many:
+                    for v, mask in many:
+                        cb = b & mask
+                        if cb:
+                            f = (e // v + 1) * v
+                            nstarts[f] = nstarts.get(f, 0) | cb
+                            if not e % v:
+                                naligned |= cb
+                tokens = e * unit
+                while b:  # one slot per bit, highest first (the int shrinks)
+                    p = b.bit_length()
+                    end[p] = tokens
+                    b ^= pos_bits[p]
+            if not alive and nj < 0:
                 break
+        e += step
     if pend:
         nstarts[nfirst] = pend
     return credited, nstarts, naligned
