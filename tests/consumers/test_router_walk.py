@@ -7,6 +7,8 @@ joiners, aligned bases and next-tier chunk classes, one slot at a time.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +18,7 @@ UNIT = 16
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> dict[str, object]:
+def cases(draw: st.DrawFn) -> dict[str, Any]:
     nslots = draw(st.integers(1, 12))
     nkeys = draw(st.integers(0, 14))
     step = draw(st.sampled_from([1, 2, 4]))
@@ -45,9 +47,10 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
             "starts": starts, "aligned": aligned, "nxt": nxt}  # fmt: skip
 
 
-def reference(c: dict) -> tuple[int, dict[int, int], int, list[int]]:  # type: ignore[type-arg]
+def reference(c: dict[str, Any]) -> tuple[int, dict[int, int], int, list[int]]:
     nslots, ks, marks, step = c["nslots"], c["ks"], c["marks"], c["step"]
-    credited, nstarts, naligned = 0, {}, 0
+    credited, naligned = 0, 0
+    nstarts: dict[int, int] = {}
     end = [-1] * (nslots + 1)
     for s in range(nslots):
         bit = 1 << s
@@ -80,7 +83,7 @@ def reference(c: dict) -> tuple[int, dict[int, int], int, list[int]]:  # type: i
 
 @settings(max_examples=400, deadline=None)
 @given(c=cases())
-def test_walk_matches_its_contract_slot_by_slot(c: dict) -> None:  # type: ignore[type-arg]
+def test_walk_matches_its_contract_slot_by_slot(c: dict[str, Any]) -> None:
     nslots = c["nslots"]
     end = [-1] * (nslots + 1)
     pos_bits = [0] + [1 << s for s in range(nslots)]
