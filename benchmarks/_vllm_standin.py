@@ -6,6 +6,13 @@ of ``EventBatch``, ``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``,
 typed decoder and encoder do exactly the work vLLM's do.  Used by ``vs_vllm.py`` when vLLM
 itself is not importable.  No ``from __future__ import annotations`` here: msgspec
 resolves these annotations at class creation.
+
+Why a second copy of the classes in ``kvevents/events.py`` and not an import of them: it
+is the baseline those classes are measured against, so it must not move when they do
+(a change to kvevents' structs or their msgspec options would otherwise change both
+sides of the comparison at once).  It holds only what vLLM's side needs (the six wire
+classes and the publisher loop, no helpers, constants or docs), and
+``tests/test_vllm_standin.py`` checks that it stays byte-identical on the wire.
 """
 
 import queue

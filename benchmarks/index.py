@@ -47,8 +47,7 @@ from _common import best_rate, parse_args, report, result
 
 from kvevents.codec import BatchDecoder, encode_batch
 from kvevents.consumers.content import prompt_keys
-from kvevents.consumers.index import BlockIndex, _ck
-from kvevents.consumers.index import _gpu as _gpu_refs
+from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.router import Router
 from kvevents.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from kvevents.request import MMFeature, RequestKey, block_extra_keys
@@ -183,12 +182,7 @@ def naive_matches(index: BlockIndex, tokens: list[int]) -> dict[Any, int]:
     """The per-worker walk the bitset design avoids: each worker walks the keys alone."""
     held_by: dict[Any, set[int]] = {}
     for w in index.workers():
-        held_by[w] = set()
-    for _slot, (w, gs) in index._slots.items():  # the bench may peek inside
-        for m in gs.meta.values():
-            ck = _ck(m)
-            if _gpu_refs(m) and ck is not None:
-                held_by[w.wid].add(ck)
+        held_by[w] = index.held_keys(w, 0)
     start = time.perf_counter()
     keys = prompt_keys(tokens, index.canonical_block_size)
     out = {}

@@ -10,15 +10,18 @@ lost (never sent), so an unbounded index grows for ever.  Each stream is applied
 ``--quick``) and uncapped (the baseline), each run in its own process so RSS is its
 own, alternating capped and uncapped ``--repeat`` times (best rate of each kept).
 A first row checks that a stale pending placeholder on one worker costs the others
-nothing.
+nothing.  ``--interleaved`` adds, per stream, the capped/uncapped rate ratio measured in
+one process: both indexes are fed the same batches, a slice of about 20,000 block events
+at a time, alternately (which goes first alternates too), so that the load of a shared
+machine falls on both alike.
 
 Reported per stream: apply throughput capped vs uncapped (block events per second of
 ``apply`` time; generating the stream is not timed), the largest ``len(index)`` seen
 after any ``apply`` (must not exceed the cap), and the process RSS at half time and at
 the end (a plateau: the second half adds little).
 
-Run: ``python benchmarks/index_soak.py [--quick]`` (5 M block events per run; 200 k
-with ``--quick``).
+Run: ``python benchmarks/index_soak.py [--quick] [--interleaved]`` (5 M block events per
+run; 200 k with ``--quick``).
 """
 
 from __future__ import annotations
@@ -172,6 +175,47 @@ def run_one(kind: str, capped: bool, total: int, cap: int, retention: int) -> di
     }
 
 
+def bench_interleaved(kind: str, total: int, cap: int, retention: int) -> dict[str, Any]:
+    """Capped vs uncapped apply rate of stream ``kind`` in one process, the two indexes
+    fed the same slices alternately (see the module docstring)."""
+    capped = BlockIndex(blocks_per_chunk=BPC, max_blocks=cap, gpu_metadata_retention=retention)
+    uncapped = BlockIndex(
+        blocks_per_chunk=BPC, max_blocks=1 << 40, gpu_metadata_retention=retention
+    )
+    loads = [Workload(kind, seed) for seed in range(WORKERS)]
+    for w, load in enumerate(loads):
+        first = load.first()
+        capped.apply("engine", w, first)
+        uncapped.apply("engine", w, first)
+    spent = {True: 0.0, False: 0.0}
+    done = 0
+    turn = True
+    chunk: list[tuple[int, KVEventBatch]] = []
+    while done < total:
+        chunk.clear()
+        n = 0
+        while n < 20_000:
+            for w, load in enumerate(loads):
+                b = load.next()
+                n += _block_events(b)
+                chunk.append((w, b))
+        for which in (turn, not turn):
+            index = capped if which else uncapped
+            t0 = time.perf_counter()
+            for w, b in chunk:
+                index.apply("engine", w, b)
+            spent[which] += time.perf_counter() - t0
+        assert len(capped) <= cap
+        turn = not turn
+        done += n
+    return result(
+        f"{kind}: apply, cap {cap:,} (vs uncapped), interleaved in one process",
+        done / spent[True],
+        "block-events/s",
+        done / spent[False],
+    )
+
+
 def bench_pending(total: int) -> dict[str, Any]:
     """Apply rate of the ``gpu`` stream with one stale placeholder (a CPU store whose GPU
     store never comes) waiting on another worker, vs none: a worker without pending
@@ -209,6 +253,10 @@ def main() -> None:
     p.add_argument("--events", type=int, help="block events per run (default 5 M)")
     p.add_argument("--repeat", type=int, help="capped/uncapped pairs per stream (3; 1 quick)")
     p.add_argument("--streams", nargs="*", choices=STREAMS, default=list(STREAMS))
+    p.add_argument(
+        "--interleaved", action="store_true", help="add the one-process interleaved ratios"
+    )
+    p.add_argument("--only-interleaved", action="store_true", help="only the interleaved ratios")
     args = p.parse_args()
     total = args.events or (200_000 if args.quick else 5_000_000)
     cap, retention = (2_000, 1_000) if args.quick else (CAP, RETENTION)
@@ -216,7 +264,12 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1] == "1", total, cap, retention)))
         return
+    if args.only_interleaved:
+        report("index_soak", [bench_interleaved(k, total, cap, retention) for k in args.streams])
+        return
     results = [bench_pending(50_000 if args.quick else 500_000)]
+    for kind in args.streams if args.interleaved else ():
+        results.append(bench_interleaved(kind, total, cap, retention))
     for kind in args.streams:
         runs: dict[bool, dict[str, Any]] = {}
         for _ in range(repeat):

@@ -12,7 +12,8 @@ Run::
         --replay-endpoint tcp://127.0.0.1:5558
 
 It stops on Ctrl-C, after ``--duration`` seconds, ``--count`` batches, or ``--idle``
-seconds without an event.
+seconds without an event.  The loop itself is ``follow_loop.py``'s, shared with the
+other consumer examples.
 """
 
 from __future__ import annotations
@@ -22,37 +23,19 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
 from collections import Counter
 
-from kvevents.consumers import Anomaly, AsyncSubscriber, BlockIndex, ReceivedBatch
+from follow_loop import StopRule, add_follow_arguments, follow_async, print_anomaly
+
+from kvevents.consumers import AsyncSubscriber, BlockIndex
 
 
 async def follow(args: argparse.Namespace, index: BlockIndex, anomalies: Counter[str]) -> int:
     """Apply the stream to ``index`` until a stop condition; returns the batches seen."""
-    batches = 0
-    start = last = time.monotonic()
     async with AsyncSubscriber(args.endpoints, replay_endpoints=args.replay_endpoint) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
-        while args.count is None or batches < args.count:
-            now = time.monotonic()
-            if args.duration is not None and now - start >= args.duration:
-                break
-            if args.idle is not None and batches and now - last >= args.idle:
-                break
-            item = await sub.receive(timeout=0.1)  # other tasks run while this waits
-            if item is None:
-                continue
-            last = time.monotonic()
-            if isinstance(item, ReceivedBatch):
-                index.apply(item.source, item.dp_rank, item.batch)
-                batches += 1
-            elif isinstance(item, Anomaly):
-                anomalies[item.kind] += 1
-                print(f"anomaly {item.kind} {item.source}#{item.dp_rank}: {item.detail}")
-                if item.needs_reset and item.dp_rank is not None:
-                    index.reset_worker((item.source, item.dp_rank))
-    return batches
+        # other tasks run while this waits for items
+        return await follow_async(sub, index, StopRule.from_args(args), anomalies, print_anomaly)
 
 
 async def report(index: BlockIndex, every: float) -> None:
@@ -85,11 +68,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
-    p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
-    p.add_argument("--duration", type=float, help="stop after S seconds")
-    p.add_argument("--count", type=int, help="stop after N batches")
-    p.add_argument("--idle", type=float, help="stop when nothing arrived for S seconds")
+    add_follow_arguments(p)
     p.add_argument("--every", type=float, default=1.0, help="progress line every S seconds")
     args = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):

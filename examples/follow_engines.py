@@ -19,6 +19,7 @@ Run::
 
 It stops on Ctrl-C, after ``--duration`` seconds, after ``--count`` batches, or once the
 engines have been quiet for ``--idle`` seconds; then it prints what the index holds.
+The loop itself is ``follow_loop.py``'s, shared with the other consumer examples.
 """
 
 from __future__ import annotations
@@ -26,62 +27,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import Counter
 
-from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber
+from follow_loop import StopRule, add_follow_arguments, follow, print_anomaly
+
+from kvevents.consumers import BlockIndex, Subscriber
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
-    p.add_argument(
-        "--replay-endpoint",
-        action="append",
-        metavar="ENDPOINT",
-        help="the replay endpoint of each ENDPOINT, in the same order",
-    )
-    p.add_argument("--duration", type=float, help="stop after S seconds")
-    p.add_argument("--count", type=int, help="stop after N batches")
-    p.add_argument("--idle", type=float, help="stop when nothing arrived for S seconds")
+    add_follow_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args()
 
     index = BlockIndex()  # learns block sizes and blocks_per_chunk from the stream
     anomalies: Counter[str] = Counter()
-    batches = 0
-    start = last = time.monotonic()
-    with Subscriber(
-        args.endpoints,
-        replay_endpoints=args.replay_endpoint,
-    ) as sub:
+    with Subscriber(args.endpoints, replay_endpoints=args.replay_endpoint) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
-        try:
-            while args.count is None or batches < args.count:
-                now = time.monotonic()
-                if args.duration is not None and now - start >= args.duration:
-                    break
-                if args.idle is not None and batches and now - last >= args.idle:
-                    break
-                item = sub.receive(timeout=0.1)
-                if item is None:
-                    continue
-                last = time.monotonic()
-                if isinstance(item, ReceivedBatch):
-                    index.apply(item.source, item.dp_rank, item.batch)
-                    batches += 1
-                elif isinstance(item, Anomaly):
-                    anomalies[item.kind] += 1
-                    action = ""
-                    if item.needs_reset and item.dp_rank is not None:
-                        index.reset_worker((item.source, item.dp_rank))
-                        action = "; worker reset, rebuilding from the next events"
-                    print(
-                        f"anomaly {item.kind} {item.source}#{item.dp_rank}: {item.detail}{action}",
-                        flush=True,
-                    )
-        except KeyboardInterrupt:
-            pass
+        batches = follow(sub, index, StopRule.from_args(args), anomalies, print_anomaly)
         stats = sub.stats
 
     holdings = {

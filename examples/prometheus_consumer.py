@@ -17,27 +17,25 @@ Run::
     curl -s http://127.0.0.1:9400/metrics | grep kvevents_
 
 It stops on Ctrl-C, after ``--duration`` seconds, ``--count`` batches, or ``--idle``
-seconds without an event.
+seconds without an event.  The loop itself is ``follow_loop.py``'s, shared with the
+other consumer examples.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber
+from follow_loop import StopRule, add_follow_arguments, follow
+
+from kvevents.consumers import BlockIndex, Subscriber
 from kvevents.metrics import StatsCollector, start_metrics_server, stats_snapshot
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
-    p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
+    add_follow_arguments(p)
     p.add_argument("--port", type=int, default=9400, help="metrics port on 127.0.0.1")
-    p.add_argument("--duration", type=float, help="stop after S seconds")
-    p.add_argument("--count", type=int, help="stop after N batches")
-    p.add_argument("--idle", type=float, help="stop when nothing arrived for S seconds")
     args = p.parse_args()
 
     index = BlockIndex()
@@ -51,26 +49,8 @@ def main() -> None:
     print(f"metrics on http://127.0.0.1:{args.port}/metrics", flush=True)
     print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
 
-    batches = 0
-    start = last = time.monotonic()
     try:
-        while args.count is None or batches < args.count:
-            now = time.monotonic()
-            if args.duration is not None and now - start >= args.duration:
-                break
-            if args.idle is not None and batches and now - last >= args.idle:
-                break
-            item = sub.receive(timeout=0.1)
-            if item is None:
-                continue
-            last = time.monotonic()
-            if isinstance(item, ReceivedBatch):
-                index.apply(item.source, item.dp_rank, item.batch)
-                batches += 1
-            elif isinstance(item, Anomaly) and item.needs_reset and item.dp_rank is not None:
-                index.reset_worker((item.source, item.dp_rank))
-    except KeyboardInterrupt:
-        pass
+        follow(sub, index, StopRule.from_args(args))
     finally:
         sub.close()
     # The same counters without Prometheus: plain dicts.

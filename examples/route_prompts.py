@@ -29,22 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Router, Subscriber
+from follow_loop import add_follow_arguments, catch_up
 
-
-def catch_up(sub: Subscriber, index: BlockIndex, timeout: float = 0.0) -> int:
-    """Apply every item the subscriber has ready (waiting up to ``timeout`` for the
-    first); returns the batches applied."""
-    applied = 0
-    item = sub.receive(timeout=timeout)
-    while item is not None:
-        if isinstance(item, ReceivedBatch):
-            index.apply(item.source, item.dp_rank, item.batch)
-            applied += 1
-        elif isinstance(item, Anomaly) and item.needs_reset and item.dp_rank is not None:
-            index.reset_worker((item.source, item.dp_rank))  # rebuilt from the next events
-        item = sub.receive(timeout=0)
-    return applied
+from kvevents.consumers import BlockIndex, Router, Subscriber
 
 
 def sample_prompts() -> list[list[int]]:
@@ -58,8 +45,7 @@ def sample_prompts() -> list[list[int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("endpoints", nargs="*", default=["tcp://127.0.0.1:5557"], metavar="ENDPOINT")
-    p.add_argument("--replay-endpoint", action="append", metavar="ENDPOINT")
+    add_follow_arguments(p, stop=False)
     p.add_argument("--prompts", help="JSON lines, each a list of token ids")
     p.add_argument(
         "--settle",

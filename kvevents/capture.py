@@ -11,7 +11,9 @@ Layout (all integers big-endian)::
 
 ``payload`` is the raw payload frame exactly as received (never re-encoded); ``seq`` is
 the live seq, or -1 when the frame had none; ``flags`` (format version 2) marks records
-such as a payload that did not decode (:data:`FLAG_UNDECODABLE`).  Version-1 bodies have
+such as a payload that did not decode (:data:`FLAG_UNDECODABLE`) or a message without
+the ``[topic, seq, payload]`` shape, whose ``payload`` then holds every part of it
+(:data:`FLAG_MALFORMED`).  Version-1 bodies have
 no ``flags`` element (read as 0).
 
 A record is written with one ``write`` call and the file is flushed per record by
@@ -40,13 +42,16 @@ from kvevents.errors import CaptureError
 __all__ = [
     "CAPTURE_FORMAT_VERSION",
     "CAPTURE_MAGIC",
+    "FLAG_MALFORMED",
     "FLAG_UNDECODABLE",
     "CaptureContents",
     "CaptureReader",
     "CaptureRecord",
     "CaptureWriter",
     "SkippedRange",
+    "pack_parts",
     "read_capture",
+    "unpack_parts",
 ]
 
 CAPTURE_MAGIC = b"KVEVCAP\x00"
@@ -54,6 +59,11 @@ CAPTURE_FORMAT_VERSION = 2
 """Written by this version; versions 1 and 2 are read."""
 FLAG_UNDECODABLE = 1
 """Record flag: the payload did not decode as a KV event batch (kept byte for byte)."""
+FLAG_MALFORMED = 2
+"""Record flag: the message was not ``[topic, seq (8 bytes), payload]`` (a wrong number
+of parts, a seq part of the wrong size, or a replay reply of the wrong shape).  ``seq``
+is -1 and ``payload`` holds every part as received, packed by :func:`pack_parts`
+(:func:`unpack_parts` gives them back)."""
 _HEADER = struct.Struct(">8sHI")
 _RECORD = struct.Struct(">II")
 _MAX_RECORD = 1 << 30  # 1 GiB: anything larger is a corrupt length
@@ -84,6 +94,27 @@ class CaptureRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
         """True if the recorder could not decode the payload (it is kept as received)."""
         return bool(self.flags & FLAG_UNDECODABLE)
 
+    @property
+    def malformed(self) -> bool:
+        """True if the message did not have the ``[topic, seq, payload]`` shape; its parts
+        are in :attr:`payload` (see :func:`unpack_parts`)."""
+        return bool(self.flags & FLAG_MALFORMED)
+
+
+def pack_parts(parts: list[bytes]) -> bytes:
+    """The parts of a malformed multipart message as one payload (a msgpack array of
+    bin; never empty, so it is never mistaken for a recorded end-of-replay marker)."""
+    return _ENC.encode([bytes(p) for p in parts])
+
+
+def unpack_parts(payload: bytes) -> list[bytes]:
+    """The parts :func:`pack_parts` packed, byte for byte.  Raises :class:`CaptureError`
+    when ``payload`` is not such a packing."""
+    try:
+        return _PARTS_DEC.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise CaptureError(f"not a packed multipart message: {exc}") from None
+
 
 @dataclass(frozen=True)
 class SkippedRange:
@@ -102,6 +133,7 @@ class SkippedRange:
 
 _ENC = msgspec.msgpack.Encoder()
 _REC_DEC = msgspec.msgpack.Decoder(CaptureRecord)
+_PARTS_DEC = msgspec.msgpack.Decoder(list[bytes])
 
 
 def _header(meta: dict[str, Any] | None) -> bytes:
@@ -186,7 +218,9 @@ class CaptureWriter:
         self.write_record(rec)
 
     def write_record(self, rec: CaptureRecord) -> None:
-        """Append one :class:`CaptureRecord`."""
+        """Append one :class:`CaptureRecord` (:class:`CaptureError` after :meth:`close`)."""
+        if self._fh.closed:
+            raise CaptureError(f"{self.path}: the capture writer is closed")
         body = _ENC.encode(rec)
         self._fh.write(_RECORD.pack(len(body), zlib.crc32(body)) + body)
         self.records_written += 1
@@ -195,6 +229,9 @@ class CaptureWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Write buffered records to the file (no-op after :meth:`close`)."""
+        if self._fh.closed:
+            return
         self._fh.flush()
         self._pending = 0
 
@@ -269,6 +306,11 @@ class CaptureReader:
             self._damage = f"corrupt header metadata: {exc}"
 
     def __iter__(self) -> Iterator[CaptureRecord]:
+        if self._fh.closed:
+            raise CaptureError(f"{self.path}: the capture reader is closed")
+        return self._records()
+
+    def _records(self) -> Iterator[CaptureRecord]:
         fh = self._fh
         pos = self.good_bytes
         if self._resync_from is not None:

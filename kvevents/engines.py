@@ -1,104 +1,208 @@
 """Engine specifications as the command line and config files name them.
 
+One job: the one :class:`EngineSpec` type and its one parser, shared by ``kvevents
+serve`` (:mod:`kvevents.serve.config`), ``kvevents relay`` and the JetStream CLI.  It
+imports only :mod:`kvevents.errors` and :mod:`kvevents.endpoints` (whose
+:func:`offset_endpoint` it re-exports).
+
 One engine is one publisher of KV events (one vLLM API server), written
 ``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]``:
 
 * ``NAME`` matches ``[A-Za-z0-9_-]+`` (it is also a NATS subject token);
 * ``HTTP_URL`` (``http://`` or ``https://``) is where its OpenAI server answers; commands
   that only follow events accept the spec without it (``NAME=EVENTS[,REPLAY]``), told
-  apart by scheme, and commands that only forward HTTP accept ``NAME=HTTP_URL`` alone;
-* ``EVENTS_ENDPOINT`` / ``REPLAY_ENDPOINT`` are the ZMQ endpoints of its publisher;
+  apart by scheme, and commands that only forward HTTP accept ``NAME=HTTP_URL`` alone
+  (``kvevents serve --nats``: the events come from JetStream);
+* ``EVENTS_ENDPOINT`` / ``REPLAY_ENDPOINT`` are the ZMQ endpoints of its publisher
+  (``tcp://``, ``ipc://`` or ``inproc://``);
 * ``;dp=N`` says the engine runs ``N`` data-parallel ranks; rank ``r`` publishes on the
-  endpoints offset by vLLM's rule (:func:`offset_endpoint`: tcp port + r);
+  endpoints offset by vLLM's rule (:func:`~kvevents.endpoints.offset_endpoint`: tcp port + r) and takes
+  requests on the same HTTP URL with the ``X-data-parallel-rank: r`` header;
 * ``;topic=T`` subscribes to topic ``T`` only (several engines behind one proxy).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
+from typing import overload
 
+from kvevents.endpoints import offset_endpoint
 from kvevents.errors import ConfigError
 
 __all__ = ["ENGINE_NAME_RE", "EngineSpec", "offset_endpoint", "parse_engine_spec"]
 
-ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+\Z")
 """What an engine name may contain."""
 
-_HTTP = ("http://", "https://")
-_ZMQ = ("tcp://", "ipc://", "inproc://")
+HTTP_SCHEMES = ("http://", "https://")
+"""The schemes an engine's HTTP URL may have."""
+
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+"""The ZMQ transports an events or replay endpoint may use."""
+
+USAGE = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]"
+"""The one-line form of an engine spec, quoted by every parse error."""
 
 
-def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """The endpoint data-parallel rank ``data_parallel_rank`` uses (vLLM's rule).
-
-    * ``None`` → ``None``; rank 0 → ``endpoint`` unchanged;
-    * ``inproc://name`` → ``inproc://name_dp{rank}``;
-    * ``tcp://host:port`` → ``tcp://host:{port + rank}``; port 0 (OS-assigned) stays 0;
-    * any other transport (``ipc://`` …) with rank ≥ 1 → :class:`ConfigError`, which
-      is a ``ValueError`` as in vLLM.
-    """
-    if endpoint is None:
-        return None
-    if data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if endpoint.startswith("tcp://"):
-        base, sep, port_text = endpoint.rpartition(":")
-        if not sep or not port_text.isdigit() or base == "tcp":
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                "it does not end in ':<port>'"
-            )
-        port = int(port_text)
-        if port == 0:
-            return endpoint
-        new_port = port + data_parallel_rank
-        if new_port > 65535:
-            raise ConfigError(
-                f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "
-                f"port {new_port} is above 65535"
-            )
-        return f"{base}:{new_port}"
-    raise ConfigError(
-        f"cannot derive an endpoint for data-parallel rank {data_parallel_rank} from "
-        f"{endpoint!r}: only tcp:// (port + rank) and inproc:// (_dp<rank> suffix) "
-        "endpoints can be offset; give each rank its own config"
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"EngineSpec.{old} is deprecated; use EngineSpec.{new}", DeprecationWarning, stacklevel=3
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EngineSpec:
-    """One engine: its name, HTTP front, event endpoints, DP ranks and topic."""
+    """One engine: its name, HTTP front, event endpoints, DP ranks and topic.
+
+    * ``name``: matches :data:`ENGINE_NAME_RE`;
+    * ``http_url``: its OpenAI server's base URL, ``http(s)://``, stored without a
+      trailing slash (None: this spec only follows events);
+    * ``events_endpoint``: its KV-event PUB endpoint (None: events come from elsewhere,
+      e.g. JetStream); ``replay_endpoint``: its replay ROUTER endpoint (None: no replay;
+      needs an events endpoint);
+    * ``dp_size``: how many data-parallel ranks publish at offset endpoints (≥ 1);
+    * ``topic``: the topic prefix subscribed to (``""``: all).
+
+    Every check raises :class:`ConfigError` (a ``ValueError``).  The arguments are
+    positional in this order; the names ``url``, ``events``, ``replay`` and ``dp`` of
+    the former ``kvevents.serve`` spec are accepted as deprecated keyword aliases (and
+    readable as deprecated properties) for one release.
+    """
 
     name: str
-    http_url: str | None = None
-    events_endpoint: str | None = None
-    replay_endpoint: str | None = None
-    dp_size: int = 1
-    topic: str = ""
+    http_url: str | None
+    events_endpoint: str | None
+    replay_endpoint: str | None
+    dp_size: int
+    topic: str
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        name: str,
+        http_url: str | None = None,
+        events_endpoint: str | None = None,
+        replay_endpoint: str | None = None,
+        dp_size: int = 1,
+        topic: str = "",
+        *,
+        url: str | None = None,
+        events: str | None = None,
+        replay: str | None = None,
+        dp: int | None = None,
+    ) -> None:
+        if url is not None:
+            _deprecated("url", "http_url")
+            http_url = url
+        if events is not None:
+            _deprecated("events", "events_endpoint")
+            events_endpoint = events
+        if replay is not None:
+            _deprecated("replay", "replay_endpoint")
+            replay_endpoint = replay
+        if dp is not None:
+            _deprecated("dp", "dp_size")
+            dp_size = dp
+        # an empty string means "not given", as the former serve spec wrote it
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "http_url", http_url.rstrip("/") if http_url else None)
+        object.__setattr__(self, "events_endpoint", events_endpoint or None)
+        object.__setattr__(self, "replay_endpoint", replay_endpoint or None)
+        object.__setattr__(self, "dp_size", dp_size)
+        object.__setattr__(self, "topic", topic)
+        self._check()
+
+    def _check(self) -> None:
         if not ENGINE_NAME_RE.match(self.name):
             raise ConfigError(
                 f"engine name {self.name!r} may contain only letters, digits, '_' and '-'"
             )
+        if self.http_url is not None and not self.http_url.startswith(HTTP_SCHEMES):
+            raise ConfigError(
+                f"engine {self.name}: HTTP URL {self.http_url!r} must start with http:// "
+                "or https://"
+            )
+        for what, ep in (("events", self.events_endpoint), ("replay", self.replay_endpoint)):
+            if ep is not None and not ep.startswith(ZMQ_SCHEMES):
+                raise ConfigError(
+                    f"engine {self.name}: {what} endpoint {ep!r} is not a ZMQ endpoint "
+                    "(tcp://, ipc://, inproc://)"
+                )
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int):
+            raise ConfigError(f"engine {self.name}: dp must be an integer, not {self.dp_size!r}")
         if self.dp_size < 1:
             raise ConfigError(f"engine {self.name}: dp must be >= 1, not {self.dp_size}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(f"engine {self.name}: a replay endpoint needs an events endpoint")
 
-    def rank_endpoints(self) -> list[tuple[int, str, str | None]]:
-        """``(rank, events_endpoint, replay_endpoint)`` of every DP rank, by vLLM's offsets."""
+    def http_base(self) -> str:
+        """:attr:`http_url`, for callers that need one; :class:`ConfigError` if there is
+        none (``kvevents serve`` refuses such a spec when it loads its config)."""
+        if self.http_url is None:
+            raise ConfigError(f"engine {self.name}: missing the HTTP URL (http://HOST:PORT)")
+        return self.http_url
+
+    def endpoints_for_rank(self, rank: int) -> tuple[str, str | None]:
+        """``(events_endpoint, replay_endpoint)`` of data-parallel rank ``rank``, by vLLM's
+        offsets; :class:`ConfigError` if this spec has no events endpoint."""
         if self.events_endpoint is None:
             raise ConfigError(f"engine {self.name} has no events endpoint")
-        out: list[tuple[int, str, str | None]] = []
-        for r in range(self.dp_size):
-            ev = offset_endpoint(self.events_endpoint, r)
-            assert ev is not None
-            out.append((r, ev, offset_endpoint(self.replay_endpoint, r)))
+        events = offset_endpoint(self.events_endpoint, rank)
+        assert events is not None
+        return events, offset_endpoint(self.replay_endpoint, rank)
+
+    @overload
+    def rank_endpoints(self) -> list[tuple[int, str, str | None]]: ...
+    @overload
+    def rank_endpoints(self, rank: int) -> tuple[str, str | None]: ...
+    def rank_endpoints(
+        self, rank: int | None = None
+    ) -> list[tuple[int, str, str | None]] | tuple[str, str | None]:
+        """``(rank, events_endpoint, replay_endpoint)`` of every DP rank, by vLLM's offsets.
+
+        ``rank_endpoints(rank)`` (the former serve spec's form) is deprecated: use
+        :meth:`endpoints_for_rank`.
+        """
+        if rank is not None:
+            _deprecated("rank_endpoints(rank)", "endpoints_for_rank(rank)")
+            return self.endpoints_for_rank(rank)
+        return [(r, *self.endpoints_for_rank(r)) for r in range(self.dp_size)]
+
+    def spec(self) -> str:
+        """This engine written back as an ``--engine`` value; parses to an equal spec."""
+        parts = [p for p in (self.http_url, self.events_endpoint, self.replay_endpoint) if p]
+        out = f"{self.name}={','.join(parts)}"
+        if self.dp_size != 1:
+            out += f";dp={self.dp_size}"
+        if self.topic:
+            out += f";topic={self.topic}"
         return out
+
+    # --- deprecated names of the former kvevents.serve spec (one release) --------------
+    @property
+    def url(self) -> str:
+        """Deprecated: :attr:`http_url` (``""`` when there is none)."""
+        _deprecated("url", "http_url")
+        return self.http_url or ""
+
+    @property
+    def events(self) -> str:
+        """Deprecated: :attr:`events_endpoint` (``""`` when there is none)."""
+        _deprecated("events", "events_endpoint")
+        return self.events_endpoint or ""
+
+    @property
+    def replay(self) -> str | None:
+        """Deprecated: :attr:`replay_endpoint`."""
+        _deprecated("replay", "replay_endpoint")
+        return self.replay_endpoint
+
+    @property
+    def dp(self) -> int:
+        """Deprecated: :attr:`dp_size`."""
+        _deprecated("dp", "dp_size")
+        return self.dp_size
 
 
 def parse_engine_spec(
@@ -109,11 +213,10 @@ def parse_engine_spec(
     ``require_http`` / ``require_events`` make the HTTP URL / events endpoint mandatory.
     Raises :class:`ConfigError` with one line saying what is wrong.
     """
-    usage = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]"
-    name, sep, rest = text.partition("=")
+    name, sep, rest = text.strip().partition("=")
     name = name.strip()
     if not sep or not name:
-        raise ConfigError(f"engine {text!r}: {usage}")
+        raise ConfigError(f"engine {text!r}: {USAGE}")
     main, *options = rest.split(";")
     dp, topic = 1, ""
     for opt in options:
@@ -129,21 +232,21 @@ def parse_engine_spec(
             raise ConfigError(f"engine {name}: unknown option {opt!r} (known: dp=N, topic=T)")
     parts = [p.strip() for p in main.split(",") if p.strip()]
     http: str | None = None
-    if parts and parts[0].startswith(_HTTP):
+    if parts and parts[0].startswith(HTTP_SCHEMES):
         http = parts.pop(0)
     for p in parts:
-        if not p.startswith(_ZMQ):
+        if not p.startswith(ZMQ_SCHEMES):
             raise ConfigError(
-                f"engine {name}: {p!r} is not a ZMQ endpoint (tcp://, ipc://, inproc://); {usage}"
+                f"engine {name}: {p!r} is not a ZMQ endpoint (tcp://, ipc://, inproc://); {USAGE}"
             )
     if len(parts) > 2:
-        raise ConfigError(f"engine {name}: too many endpoints; {usage}")
+        raise ConfigError(f"engine {name}: too many endpoints; {USAGE}")
     events = parts[0] if parts else None
     replay = parts[1] if len(parts) > 1 else None
     if require_http and http is None:
-        raise ConfigError(f"engine {name}: missing the HTTP URL (http://HOST:PORT); {usage}")
+        raise ConfigError(f"engine {name}: missing the HTTP URL (http://HOST:PORT); {USAGE}")
     if require_events and events is None:
-        raise ConfigError(f"engine {name}: missing the events endpoint (tcp://HOST:PORT); {usage}")
+        raise ConfigError(f"engine {name}: missing the events endpoint (tcp://HOST:PORT); {USAGE}")
     if http is None and events is None:
-        raise ConfigError(f"engine {text!r}: {usage}")
+        raise ConfigError(f"engine {text!r}: {USAGE}")
     return EngineSpec(name, http, events, replay, dp, topic)

@@ -2,8 +2,9 @@
 
 Every exception that kvevents raises on purpose derives from :class:`KVEventsError`,
 so a caller can catch the whole family with one ``except`` clause.  Classes that also
-derive from a builtin (``ValueError``, ``RuntimeError``) do so where Python code
-conventionally expects that builtin.
+derive from a builtin (``ValueError``, ``TypeError``, ``RuntimeError``) do so where
+Python code conventionally expects that builtin, so ``except ValueError`` written against
+an older kvevents keeps working.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ __all__ = [
     "CaptureError",
     "ConfigError",
     "DecodeError",
+    "DuplicateNameError",
     "EncodeError",
     "FrameError",
     "KVEventsError",
+    "MetricsError",
     "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
@@ -34,7 +37,12 @@ class DecodeError(KVEventsError, ValueError):
 
 
 class FrameError(DecodeError):
-    """A ZMQ multipart message does not have the frame layout of C§2.1/C§2.2."""
+    """A ZMQ multipart message does not have the frame layout of vLLM's publisher.
+
+    A live message is ``(topic, seq, payload)`` (as vLLM's
+    ``ZmqEventPublisher._publisher_thread`` sends it); a replay reply is ``(seq, payload)``,
+    the last one ``(END_SEQ, b"")`` (``ZmqEventPublisher._service_replay``).
+    """
 
 
 class ConfigError(KVEventsError, ValueError):
@@ -55,6 +63,10 @@ class OffloadError(KVEventsError):
 
 class EncodeError(KVEventsError, TypeError):
     """An object cannot be encoded as a KV event batch."""
+
+
+class MetricsError(KVEventsError, TypeError):
+    """An object cannot be exposed as metrics: it has no dataclass ``.stats``."""
 
 
 class MissingDependencyError(KVEventsError, ImportError):
@@ -78,3 +90,9 @@ def require_module(module: str, extra: str, what: str) -> None:
         raise MissingDependencyError(
             f"{what} needs {module}, which is not installed: pip install 'kvevents[{extra}]'"
         )
+
+
+class DuplicateNameError(KVEventsError, KeyError):
+    """A publisher kind is registered twice.
+
+    Also a ``KeyError``, which is what vLLM raises for a duplicate registration."""

@@ -1,8 +1,9 @@
-"""The wire classes of vLLM's KV-cache events (vLLM 0.33 shape, CONTRACT C§1).
+"""The wire classes of vLLM's KV-cache events (the vLLM 0.33 shape).
 
-Class names, field names, field order, types and defaults match vLLM 0.33 exactly, so
-``msgspec.msgpack.Encoder().encode(batch)`` of these classes yields the same bytes as
-vLLM's publisher (C§1.2, C§8.1):
+Class names, field names, field order, types and defaults match vLLM 0.33's
+``vllm/distributed/kv_events.py`` (``EventBatch``, ``KVEventBatch``, ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``) exactly, so ``msgspec.msgpack.Encoder().encode(batch)``
+of these classes yields the same bytes as vLLM's ``ZmqEventPublisher._publisher_thread``:
 
 * a batch is a 3-element msgpack array ``[ts, events, data_parallel_rank]``;
 * each event is a msgpack map whose first key is ``"type"`` (the class name), followed

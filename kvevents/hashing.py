@@ -20,6 +20,8 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvevents.errors import ConfigError
+
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
     "HASH_ALGORITHMS",
@@ -55,8 +57,6 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
     try:
         return HASH_ALGORITHMS[algo]
     except KeyError:
-        from kvevents.errors import ConfigError
-
         raise ConfigError(
             f"unknown hash algorithm {algo!r}; known: {', '.join(sorted(HASH_ALGORITHMS))}"
         ) from None
@@ -104,9 +104,11 @@ def hash_request_blocks(
     """Digests of every *full* block of ``token_ids`` at ``block_size`` tokens per block.
 
     ``extra_keys(i)`` gives the hash-side extra keys of block ``i`` (``None`` if none).
+    Raises :class:`~kvevents.errors.ConfigError` (a ``ValueError``) unless
+    ``block_size > 0``, and for an unknown ``algo``.
     """
     if block_size <= 0:
-        raise ValueError("block_size must be positive")
+        raise ConfigError(f"block_size must be positive, got {block_size}")
     fn = hash_function(algo)
     parent = fn(seed if seed is not None else _env_seed())
     out: list[bytes] = []

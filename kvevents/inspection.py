@@ -12,9 +12,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.capture import CaptureRecord
+from kvevents.capture import CaptureRecord, unpack_parts
 from kvevents.codec import BatchDecoder, describe_payload
-from kvevents.errors import ConfigError, DecodeError
+from kvevents.errors import CaptureError, ConfigError, DecodeError
 from kvevents.events import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -29,6 +29,7 @@ __all__ = [
     "CaptureValues",
     "DecodedEvent",
     "EventFilter",
+    "describe_malformed",
     "dumps_event",
     "event_to_json",
     "format_event",
@@ -163,11 +164,15 @@ def iter_events(
 ) -> Iterator[DecodedEvent]:
     """Decode each record's payload and yield its events in order.
 
-    Undecodable payloads are skipped; when ``errors`` is given they are appended to it
-    with the reason.
+    Undecodable payloads and malformed messages (:attr:`CaptureRecord.malformed`) are
+    skipped; when ``errors`` is given they are appended to it with the reason.
     """
     dec = decoder or BatchDecoder()
     for rec in records:
+        if rec.malformed:
+            if errors is not None:
+                errors.append((rec, describe_malformed(rec)))
+            continue
         try:
             batch = dec.decode(rec.payload)
         except DecodeError as exc:
@@ -176,6 +181,24 @@ def iter_events(
             continue
         for i, e in enumerate(batch.events):
             yield DecodedEvent(rec, batch, i, e)
+
+
+def describe_malformed(rec: CaptureRecord) -> str:
+    """Why a :attr:`~kvevents.capture.CaptureRecord.malformed` record is not a batch, in
+    one line."""
+    try:
+        parts = unpack_parts(rec.payload)
+    except CaptureError:
+        return "malformed message (its parts were not kept)"
+    if not parts:  # a malformed replay reply: the ZMQ source keeps no bytes of it
+        return "malformed replay reply (its parts were not kept)"
+    if len(parts) == 3:
+        return f"malformed message: its seq part has {len(parts[1])} bytes, expected 8"
+    sizes = ", ".join(f"{len(p)}" for p in parts[:6]) + (", ..." if len(parts) > 6 else "")
+    return (
+        f"malformed message: {len(parts)} part(s) of {sizes} bytes, expected 3 "
+        "[topic, seq, payload]"
+    )
 
 
 def _jsonable(value: Any) -> Any:
@@ -259,6 +282,8 @@ class CaptureSummary:
     seq_duplicates: int = 0
     seq_restarts: int = 0
     undecodable: int = 0
+    malformed: int = 0
+    """Records of messages without the ``[topic, seq, payload]`` shape (kept, flagged)."""
     unknown_tags: Counter[str] = field(default_factory=Counter)
     placeholders: int = 0
     placeholders_joined: int = 0
@@ -276,7 +301,8 @@ class CaptureSummary:
         lines = [
             f"records {self.records}  batches {self.batches}  events {self.events}",
             f"seq gaps {self.seq_gaps} (missing {self.seq_missing})  duplicates {self.seq_duplicates}"
-            f"  restarts {self.seq_restarts}  undecodable {self.undecodable}",
+            f"  restarts {self.seq_restarts}  undecodable {self.undecodable}"
+            + (f"  malformed {self.malformed}" if self.malformed else ""),
             f"CPU/STORAGE placeholders {self.placeholders}, joined to a GPU store "
             f"{self.placeholders_joined}",
         ]
@@ -331,6 +357,9 @@ def summarize(
         if s.first_recv_ts is None:
             s.first_recv_ts = rec.recv_ts
         s.last_recv_ts = rec.recv_ts
+        if rec.malformed:
+            s.malformed += 1
+            continue
         try:
             batch = dec.decode(rec.payload)
         except DecodeError:

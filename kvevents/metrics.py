@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from kvevents.errors import require_module
+from kvevents.errors import MetricsError, require_module
 
 __all__ = ["StatsCollector", "start_metrics_server", "stats_snapshot"]
 
@@ -53,7 +53,13 @@ def _copy(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
 
 
 def stats_snapshot(stats: Any) -> dict[str, Any]:
-    """A JSON-ready copy of a stats dataclass (``Counter`` fields become dicts)."""
+    """A JSON-ready copy of a stats dataclass (``Counter`` fields become dicts).
+
+    Raises :class:`~kvevents.errors.MetricsError` (a ``TypeError``) if ``stats`` is not a
+    dataclass instance.
+    """
+    if not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+        raise MetricsError(f"{stats!r} is not a stats dataclass instance")
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         value = getattr(stats, f.name)
@@ -92,9 +98,10 @@ class StatsCollector:
     ) -> None:
         """Expose ``component.stats`` (and ``component.gauges()`` if it has one), read at
         every scrape, under ``subsystem``.  ``lock``: held while reading, for components
-        the owner guards with it."""
+        the owner guards with it.  Raises :class:`~kvevents.errors.MetricsError` (a
+        ``TypeError``) if ``component.stats`` is not a dataclass instance."""
         if not dataclasses.is_dataclass(getattr(component, "stats", None)):
-            raise TypeError(f"{component!r} has no dataclass .stats to expose")
+            raise MetricsError(f"{component!r} has no dataclass .stats to expose")
         self._components.append((subsystem, dict(labels), component, lock))
 
     def snapshot(self) -> list[tuple[str, dict[str, str], dict[str, Any], dict[str, float], Any]]:

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents import BatchDecoder, DecodeError, KVEventBatch, decode_batch, describe_payload
-from kvevents.codec import MAX_NESTING_DEPTH, _nested_deeper_than
+from kvevents.codec import MAX_NESTING_DEPTH
+from kvevents.codec.guards import nested_deeper_than as _nested_deeper_than
 
 GOLDEN = [
     bytes.fromhex(json.loads(line)["payload_hex"])

@@ -1,4 +1,9 @@
-"""The ``kvevents relay`` command (argument parsing and the run loop)."""
+"""The ``kvevents relay`` command (argument parsing and the run loop), and the JetStream
+ends of ``kvevents record`` and ``kvevents replay``.
+
+May import the core and :mod:`kvevents.jetstream`; nats-py is imported only when a command
+connects (it is an optional extra).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,15 @@ import threading
 import time
 from typing import Any
 
+from kvevents.capture import CaptureReader
+from kvevents.codec import decode_batch
 from kvevents.engines import parse_engine_spec
-from kvevents.errors import ConfigError
-from kvevents.jetstream.naming import DEFAULT_STREAM
+from kvevents.errors import ConfigError, DecodeError
+from kvevents.jetstream.loop import LoopThread
+from kvevents.jetstream.naming import DEFAULT_STREAM, BatchHeaders, subject_for
+from kvevents.jetstream.reader import JetStreamSubscriber
+from kvevents.jetstream.relay import JetStreamRelay, ensure_stream
+from kvevents.jetstream.snapshots import Snapshotter
 
 __all__ = [
     "add_relay_parser",
@@ -28,7 +39,7 @@ def is_nats_url(text: str) -> bool:
     return text.startswith(("nats://", "tls://"))
 
 
-def open_jetstream_subscriber(urls: list[str], stream: str) -> object:
+def open_jetstream_subscriber(urls: list[str], stream: str) -> JetStreamSubscriber:
     """A :class:`~kvevents.jetstream.JetStreamSubscriber` for ``kvevents record nats://...``."""
     if len(urls) != 1:
         raise ConfigError(
@@ -38,7 +49,6 @@ def open_jetstream_subscriber(urls: list[str], stream: str) -> object:
         import nats  # noqa: F401
     except ImportError:
         raise ConfigError("reading JetStream needs nats-py: pip install 'kvevents[nats]'") from None
-    from kvevents.jetstream.reader import JetStreamSubscriber
 
     return JetStreamSubscriber(urls[0], stream)
 
@@ -60,12 +70,6 @@ def publish_capture(
         raise ConfigError(
             "publishing to JetStream needs nats-py: pip install 'kvevents[nats]'"
         ) from None
-    from kvevents.capture import CaptureReader
-    from kvevents.codec import decode_batch
-    from kvevents.errors import DecodeError
-    from kvevents.jetstream.loop import LoopThread
-    from kvevents.jetstream.naming import BatchHeaders, subject_for
-    from kvevents.jetstream.relay import ensure_stream
 
     last: dict[tuple[str, int], tuple[int, int]] = {}
     msgs: list[tuple[str, bytes, dict[str, str]]] = []
@@ -160,7 +164,6 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
         import nats  # noqa: F401
     except ImportError:
         raise ConfigError("kvevents relay needs nats-py: pip install 'kvevents[nats]'") from None
-    from kvevents.jetstream.relay import JetStreamRelay
 
     if args.max_age is not None and args.max_age <= 0:
         raise ConfigError("--max-age must be > 0 seconds")
@@ -181,8 +184,6 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
     worker.start()
     snapper_thread = None
     if args.snapshot_every is not None:
-        from kvevents.jetstream.snapshots import Snapshotter
-
         snapper = Snapshotter(args.nats, args.snapshot_every, stream=args.stream)
         snapper_thread = threading.Thread(
             target=snapper.run, args=(stop,), name="kvevents-snapshots", daemon=True

@@ -372,7 +372,7 @@ class JetStreamSubscriber:
         self._position = self._reader.position
         self._stop = threading.Event()
         try:
-            self._loop.run(self._reader.start(), timeout=kwargs.get("connect_timeout_s", 5.0) + 5)
+            self._loop.run(self._reader.start(), timeout_s=kwargs.get("connect_timeout_s", 5.0) + 5)
         except BaseException:
             self._loop.close()
             raise
@@ -453,7 +453,7 @@ class JetStreamSubscriber:
         except Exception:
             logger.debug("reader task ended with an error", exc_info=True)
         try:
-            self._loop.run(self._reader.close(), timeout=5.0)
+            self._loop.run(self._reader.close(), timeout_s=5.0)
         except Exception:
             logger.debug("close failed", exc_info=True)
         self._loop.close()

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,12 +30,12 @@ from typing import Any
 
 import zmq
 
-from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.codec import pack_replay_request, parse_replay_reply
 from kvevents.consumers.seqtrack import PUBLISHER_RESTART
 from kvevents.consumers.sources import ZmqSource
 from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
 from kvevents.engines import EngineSpec
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, FrameError
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import (
     DEFAULT_STREAM,
@@ -106,6 +107,12 @@ class JetStreamRelay:
 
     Call :meth:`run` (blocks until ``stop`` is set or :meth:`close`); ``on_batch`` is
     called after each batch is stored (tests and ``--snapshot-every`` use it).
+
+    ``max_age_s`` / ``max_bytes`` bound a stream the relay creates; ``ack_timeout_s`` is how
+    long one append waits for JetStream's acknowledgement before it is sent again;
+    ``chunk_batches`` is the most batches appended in one burst (``chunk`` is its deprecated
+    name); ``verify_timeout_s`` bounds the replay that checks, on start, whether an engine
+    still holds the stream's last batch.
     """
 
     def __init__(
@@ -117,11 +124,19 @@ class JetStreamRelay:
         max_age_s: float | None = None,
         max_bytes: int | None = None,
         ack_timeout_s: float = 5.0,
-        chunk: int = 256,
+        chunk_batches: int = 256,
         verify_timeout_s: float = 2.0,
         context: zmq.Context[Any] | None = None,
         subscriber_options: dict[str, Any] | None = None,
+        chunk: int | None = None,
     ) -> None:
+        if chunk is not None:
+            warnings.warn(
+                "JetStreamRelay(chunk=) is deprecated; use chunk_batches=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            chunk_batches = chunk
         if not engines:
             raise ConfigError("the relay needs at least one engine")
         names = [e.name for e in engines]
@@ -132,7 +147,7 @@ class JetStreamRelay:
         self.stream = stream
         self.stats = RelayStats()
         self._ack_timeout_s = ack_timeout_s
-        self._chunk = chunk
+        self._chunk_batches = chunk_batches
         self._verify_timeout_s = verify_timeout_s
         self._ctx = context if context is not None else zmq.Context.instance()
         self._loop = LoopThread("kvevents-relay")
@@ -141,7 +156,7 @@ class JetStreamRelay:
         self._engine_of: dict[str, str] = {}
         self._replay_of: dict[tuple[str, int], str | None] = {}
         try:
-            self._nc, self._js = self._loop.run(self._connect(max_age_s, max_bytes), timeout=30)
+            self._nc, self._js = self._loop.run(self._connect(max_age_s, max_bytes), timeout_s=30)
             self._resume()
             sources = []
             for spec in self.engines:
@@ -183,7 +198,7 @@ class JetStreamRelay:
     def _resume(self) -> None:
         """Read each engine's last stored batch per rank and decide its epoch (see module)."""
         for spec in self.engines:
-            last = self._loop.run(self._last_messages(spec.name), timeout=30)
+            last = self._loop.run(self._last_messages(spec.name), timeout_s=30)
             replay_for = {r: rep for r, _ev, rep in spec.rank_endpoints()}
             for h, payload in last:
                 replay = replay_for.get(h.rank)
@@ -232,15 +247,11 @@ class JetStreamRelay:
             frames = dealer.recv_multipart()
         finally:
             dealer.close(0)
-        if len(frames) == 4:
-            seq_frame, data = frames[2], frames[3]
-        elif len(frames) == 3:
-            seq_frame, data = frames[1], frames[2]
-        else:
+        try:
+            reply = parse_replay_reply(frames)
+        except FrameError:
             return False
-        if seq_frame == END_SEQ or len(seq_frame) != 8:
-            return False
-        return int.from_bytes(seq_frame, "big") == seq and data == payload
+        return not reply.is_end and reply.seq == seq and reply.payload == payload
 
     # --- relaying ---------------------------------------------------------------------
     def _headers_for(self, rb: ReceivedBatch) -> BatchHeaders | None:
@@ -321,7 +332,7 @@ class JetStreamRelay:
                     if h is not None:
                         pending.append((subject_for(h.source, h.rank), item.payload, h.to_nats()))
                         done.append(item)
-                if len(pending) >= self._chunk:
+                if len(pending) >= self._chunk_batches:
                     break
                 item = self.subscriber.receive(timeout=0)
             if pending:
@@ -337,7 +348,7 @@ class JetStreamRelay:
         self._stop.set()
         self.subscriber.close()
         try:
-            self._loop.run(self._nc.drain(), timeout=5)
+            self._loop.run(self._nc.drain(), timeout_s=5)
         except Exception:
             logger.debug("NATS drain failed", exc_info=True)
         self._loop.close()

@@ -83,7 +83,7 @@ class SnapshotStore:
         self.bucket = bucket
         self._loop = LoopThread("kvevents-snapshots")
         try:
-            self._nc, self._obs = self._loop.run(self._open(), timeout=15)
+            self._nc, self._obs = self._loop.run(self._open(), timeout_s=15)
         except BaseException:
             self._loop.close()
             raise
@@ -114,7 +114,7 @@ class SnapshotStore:
             zlib.compress(index.snapshot(), 1),
         )
         name = _object_name(self.stream, position.stream_seq)
-        self._loop.run(self._put(name, _ENC.encode(env)), timeout=120)
+        self._loop.run(self._put(name, _ENC.encode(env)), timeout_s=120)
         return name
 
     async def _put(self, name: str, data: bytes) -> None:
@@ -139,11 +139,11 @@ class SnapshotStore:
                 i.name for i in infos if i.name.startswith(self.stream + "-") and not i.deleted
             )
 
-        return self._loop.run(listing(), timeout=15)
+        return self._loop.run(listing(), timeout_s=15)
 
     def get(self, name: str) -> SnapshotEnvelope:
         """Read snapshot ``name``; :class:`ConfigError` if it is not a snapshot we can read."""
-        res = self._loop.run(self._obs.get(name), timeout=60)
+        res = self._loop.run(self._obs.get(name), timeout_s=60)
         try:
             env = _DEC.decode(res.data)
         except msgspec.DecodeError as exc:
@@ -165,12 +165,12 @@ class SnapshotStore:
         names = self.names()
         doomed = names[: max(0, len(names) - keep)]
         for name in doomed:
-            self._loop.run(self._obs.delete(name), timeout=15)
+            self._loop.run(self._obs.delete(name), timeout_s=15)
         return len(doomed)
 
     def close(self) -> None:
         try:
-            self._loop.run(self._nc.close(), timeout=5)
+            self._loop.run(self._nc.close(), timeout_s=5)
         except Exception:
             logger.debug("NATS close failed", exc_info=True)
         self._loop.close()

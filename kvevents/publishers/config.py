@@ -4,17 +4,23 @@ The field names and defaults are vLLM's, so a ``--kv-events-config '{json}'`` va
 written for vLLM configures kvevents unchanged.  Unlike vLLM's pydantic dataclass, values
 are checked strictly (no ``"true"`` for ``True``) and every error is a
 :class:`~kvevents.errors.ConfigError` (a ``ValueError``) naming the field and the rule.
+
+Imports the registry (to check the kind), the shared setting rules and the endpoint
+rules (:func:`validate_endpoint` and :data:`ZMQ_TRANSPORTS` are re-exported from
+:mod:`kvevents.endpoints`); never the factory or a publisher.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvevents.endpoints import ZMQ_TRANSPORTS, validate_endpoint
 from kvevents.errors import ConfigError
+from kvevents.publishers.registry import registered_publishers
+from kvevents.publishers.settings import validate_publisher_fields
 
 __all__ = [
     "CLI_FLAG",
@@ -27,58 +33,8 @@ __all__ = [
 CLI_FLAG = "--kv-events-config"
 """vLLM's command-line flag carrying a JSON object of :class:`KVEventsConfig` fields."""
 
-ZMQ_TRANSPORTS: frozenset[str] = frozenset(
-    {"tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "tipc", "vmci"}
-)
-"""Transports an endpoint may name (those libzmq knows for PUB and ROUTER sockets)."""
-
-_TCP_ADDRESS = re.compile(r"^(?P<host>.+):(?P<port>[0-9]+)$")
-
-
 KVEVENTS_ONLY_FIELDS: tuple[str, ...] = ("curve_secret_key_file", "curve_authorized_keys_dir")
 """Config fields vLLM does not have; the factory passes them only when they are set."""
-
-
-def validate_endpoint(endpoint: object, name: str = "endpoint") -> str:
-    """Check that ``endpoint`` is a ZMQ endpoint string and return it.
-
-    Rules: ``<transport>://<address>`` with a transport of :data:`ZMQ_TRANSPORTS` and a
-    non-empty address; a ``tcp`` address must end in ``:<port>`` with a decimal port in
-    0–65535 (0 asks the OS for a free port when binding).  Raises :class:`ConfigError`.
-    """
-    if not isinstance(endpoint, str):
-        raise ConfigError(f"{name} must be a string, got {type(endpoint).__name__}")
-    transport, sep, address = endpoint.partition("://")
-    if not sep or not transport:
-        raise ConfigError(
-            f"{name} {endpoint!r} is not a ZMQ endpoint: expected '<transport>://<address>', "
-            "e.g. 'tcp://*:5557' or 'ipc:///tmp/kv-events'"
-        )
-    if transport not in ZMQ_TRANSPORTS:
-        raise ConfigError(
-            f"{name} {endpoint!r} names unknown transport {transport!r}; "
-            f"expected one of {', '.join(sorted(ZMQ_TRANSPORTS))}"
-        )
-    if not address:
-        raise ConfigError(f"{name} {endpoint!r} has an empty address after '{transport}://'")
-    if transport == "tcp":
-        match = _TCP_ADDRESS.match(address)
-        if match is None:
-            raise ConfigError(
-                f"{name} {endpoint!r} must end in ':<port>' with a decimal port, "
-                "e.g. 'tcp://*:5557' (bind) or 'tcp://host:5557' (connect)"
-            )
-        port = int(match.group("port"))
-        if port > 65535:
-            raise ConfigError(f"{name} {endpoint!r} has port {port}, outside 0-65535")
-    return endpoint
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -88,7 +44,7 @@ class KVEventsConfig:
     * ``enable_kv_cache_events``: master switch; when false the factory returns a
       :class:`~kvevents.publishers.base.NullEventPublisher`.
     * ``publisher``: the publisher kind (``"zmq"``, ``"null"`` or a kind added with
-      :func:`~kvevents.publishers.factory.register_publisher`).  ``None`` becomes
+      :func:`~kvevents.publishers.registry.register_publisher`).  ``None`` becomes
       ``"zmq"`` when enabled, else ``"null"``.
     * ``endpoint``: the PUB endpoint.  It binds when it contains ``*`` or ``::`` or is
       ``ipc://`` / ``inproc://``, otherwise it connects (e.g. to a central XSUB).
@@ -136,34 +92,22 @@ class KVEventsConfig:
                 f"publisher must be a string, got {type(self.publisher).__name__} "
                 f"{self.publisher!r}"
             )
-        # Imported here: the factory imports this module for its signature.
-        from kvevents.publishers.factory import registered_publishers
-
         kinds = registered_publishers()
         if self.publisher not in kinds:
             raise ConfigError(
                 f"unknown publisher {self.publisher!r}; expected one of "
                 f"{', '.join(repr(k) for k in kinds)} (or register one with register_publisher)"
             )
-        validate_endpoint(self.endpoint, "endpoint")
-        if self.replay_endpoint is not None:
-            validate_endpoint(self.replay_endpoint, "replay_endpoint")
-        _check_int("buffer_steps", self.buffer_steps, 0)
-        _check_int("hwm", self.hwm, 0)
-        _check_int("max_queue_size", self.max_queue_size, 1)
-        if not isinstance(self.topic, str):
-            raise ConfigError(
-                f"topic must be a string, got {type(self.topic).__name__} {self.topic!r}"
-            )
-        for name in ("curve_secret_key_file", "curve_authorized_keys_dir"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{name} must be a non-empty path string or null, got {value!r}")
-        if self.curve_authorized_keys_dir is not None and self.curve_secret_key_file is None:
-            raise ConfigError(
-                "curve_authorized_keys_dir needs curve_secret_key_file (the publisher's "
-                ".key_secret file) as well"
-            )
+        validate_publisher_fields(
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            buffer_steps=self.buffer_steps,
+            hwm=self.hwm,
+            max_queue_size=self.max_queue_size,
+            topic=self.topic,
+            curve_secret_key_file=self.curve_secret_key_file,
+            curve_authorized_keys_dir=self.curve_authorized_keys_dir,
+        )
 
     # --- (de)serialisation ---------------------------------------------------------
 

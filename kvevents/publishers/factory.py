@@ -7,17 +7,24 @@ constructor for ``config.publisher`` is called as
 ``ctor(data_parallel_rank=rank, endpoint=…, replay_endpoint=…, buffer_steps=…, hwm=…,
 max_queue_size=…, topic=…)``, plus the CURVE fields when they are set.  The ZMQ publisher offsets both endpoints by the rank
 itself (:func:`offset_endpoint`), so every data-parallel rank gets its own sockets.
+
+The kinds live in :mod:`kvevents.publishers.registry` (``register_publisher`` and
+``registered_publishers`` are re-exported here); this module imports the config, the
+registry and :mod:`kvevents.endpoints`, and nothing imports it back.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
-from kvevents.engines import offset_endpoint
+from kvevents.endpoints import offset_endpoint
 from kvevents.errors import ConfigError
 from kvevents.publishers.base import EventPublisher, NullEventPublisher
 from kvevents.publishers.config import KVEVENTS_ONLY_FIELDS, KVEventsConfig
+from kvevents.publishers.registry import (
+    PUBLISHERS,
+    PublisherConstructor,
+    register_publisher,
+    registered_publishers,
+)
 
 __all__ = [
     "PublisherConstructor",
@@ -27,40 +34,9 @@ __all__ = [
     "registered_publishers",
 ]
 
-PublisherConstructor = Callable[..., EventPublisher]
-"""``ctor(data_parallel_rank=int, **config_fields_except_publisher_and_enable)``."""
-
-_REGISTRY_LOCK = threading.Lock()
-_REGISTRY: dict[str, PublisherConstructor] = {}
-
-
-def _make_zmq(data_parallel_rank: int = 0, **kwargs: object) -> EventPublisher:
-    # Imported lazily so that importing the factory does not open pyzmq.
-    from kvevents.publishers.zmq_publisher import ZmqEventPublisher
-
-    return ZmqEventPublisher(data_parallel_rank=data_parallel_rank, **kwargs)  # type: ignore[arg-type]
-
-
-def register_publisher(name: str, ctor: PublisherConstructor) -> None:
-    """Add a publisher kind usable as ``KVEventsConfig(publisher=name)``.
-
-    ``ctor`` is called with ``data_parallel_rank`` and the config fields other than
-    ``publisher`` and ``enable_kv_cache_events``, as keyword arguments.  Raises
-    ``KeyError`` if ``name`` is already registered (as vLLM does) and
-    :class:`ConfigError` if ``name`` is not a non-empty string.
-    """
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"publisher name must be a non-empty string, got {name!r}")
-    with _REGISTRY_LOCK:
-        if name in _REGISTRY:
-            raise KeyError(f"publisher {name!r} is already registered")
-        _REGISTRY[name] = ctor
-
-
-def registered_publishers() -> tuple[str, ...]:
-    """The registered publisher kinds, in registration order."""
-    with _REGISTRY_LOCK:
-        return tuple(_REGISTRY)
+# The registry's map and lock under the names this module had when it owned them.
+_REGISTRY = PUBLISHERS.constructors
+_REGISTRY_LOCK = PUBLISHERS.lock
 
 
 def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
@@ -76,8 +52,7 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
         raise ConfigError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
     if config is None or not config.enable_kv_cache_events or config.publisher == "null":
         return NullEventPublisher(data_parallel_rank=data_parallel_rank)
-    with _REGISTRY_LOCK:
-        ctor = _REGISTRY.get(config.publisher or "")
+    ctor = PUBLISHERS.get(config.publisher or "")
     if ctor is None:
         raise ConfigError(
             f"unknown publisher {config.publisher!r}; registered: "
@@ -91,7 +66,3 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
         if kwargs.get(name) is None:
             kwargs.pop(name, None)
     return ctor(data_parallel_rank=data_parallel_rank, **kwargs)
-
-
-register_publisher("null", NullEventPublisher)
-register_publisher("zmq", _make_zmq)

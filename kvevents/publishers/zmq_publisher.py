@@ -56,36 +56,37 @@ Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
 Threading: ``publish()`` may be called from any number of threads; seq order equals
 queue order, so batches arrive with strictly increasing seq.  One daemon thread
 (``"kvevents-zmq-publisher"``) owns both sockets, encodes, sends and serves replay.
+
+This module is the façade: settings, ``publish()``, ``shutdown()`` and the counters.
+The rooms behind it: :mod:`~kvevents.publishers.zmq_sockets` (opening and closing the
+sockets), :mod:`~kvevents.publishers.zmq_sender` (the sender thread),
+:mod:`~kvevents.publishers.replay_service` (the ROUTER replay service),
+:mod:`~kvevents.publishers.delivery` (what ZeroMQ confirmed written, for shutdown) and
+:mod:`~kvevents.publishers.publisher_stats` (the counters).  It imports those, the
+setting rules and :mod:`kvevents.endpoints`; never the config, registry or factory.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import logging
 import queue
 import threading
-import time
-from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 import zmq
 
-from kvevents.codec import (
-    encode_batch,
-    pack_live,
-    pack_replay_end,
-    pack_seq,
-)
-from kvevents.endpoints import enable_ipv6_if_needed, is_bind_endpoint
+from kvevents.endpoints import is_bind_endpoint, offset_endpoint, validate_endpoint
 from kvevents.errors import ConfigError, EncodeError, PublisherClosedError
 from kvevents.events import EventBatch
-from kvevents.publishers.config import validate_endpoint
-from kvevents.publishers.factory import offset_endpoint
+from kvevents.publishers.delivery import DeliveryMarks
+from kvevents.publishers.publisher_stats import REFUSAL_REASONS, PublisherStats, count_drop
+from kvevents.publishers.replay_service import ReplayService
+from kvevents.publishers.settings import validate_publisher_fields, validate_zmq_tuning
+from kvevents.publishers.zmq_sender import SenderThread
+from kvevents.publishers.zmq_sockets import PublisherSockets
 from kvevents.ratelimit import RateLimitedLog
-from kvevents.security import CurveServerConfig, apply_curve_server
+from kvevents.security import CurveServerConfig
 
 __all__ = [
     "REFUSAL_REASONS",
@@ -96,105 +97,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_STOP: Any = object()  # queue sentinel put by shutdown()
 _MiB = 1024 * 1024
-
-REFUSAL_REASONS = (
-    "bad_frame_count",
-    "bad_start_frame",
-    "too_many_pending",
-    "too_many_clients",
-    "client_backlog",
-    "memory",
-)
-"""Why a replay request got no reply (keys of ``PublisherStats.replay_refusals``)."""
-
-
-@dataclass
-class PublisherStats:
-    """Counters of a :class:`ZmqEventPublisher` (units in the names).
-
-    * ``batches_published`` / ``events_published``: handed to the PUB socket.  (PUB
-      itself may still drop for a subscriber above its HWM; that is invisible here and
-      shows downstream as a seq gap.)  At ``shutdown()`` the batches ZeroMQ could not
-      confirm sent are moved from these counters to ``dropped_*``
-      (``shutdown_unflushed``), so after shutdown they count batches that left.
-    * ``dropped_batches`` / ``dropped_events``: lost, by reason in ``drop_reasons``:
-      ``queue_full`` (``publish()`` found the queue full), ``encode_error``,
-      ``send_error``, ``shutdown`` (still queued when the shutdown budget ran out),
-      ``shutdown_unflushed`` (sent to ZeroMQ but not confirmed taken by every connected
-      subscriber's connection when the budget ran out).
-    * ``encode_errors`` / ``send_errors``: batches lost to each failure.
-    * ``replay_requests``: well-formed requests received (served or refused for
-      capacity); ``replays_completed``: end markers sent; ``replay_batches_sent``:
-      replayed batches sent; ``replays_truncated``: replies cut at
-      ``replay_max_reply_bytes`` (the end marker follows; the client asks again).
-    * ``replay_batches_dropped`` by reason in ``replay_drop_reasons``: ``client_gone``
-      (disconnected), ``client_stalled`` (no progress for the stall timeout),
-      ``shutdown``.  Each counts the replies (batches plus end marker) never sent.
-    * ``replay_refusals``: requests that got no reply, by reason
-      (:data:`REFUSAL_REASONS`): ``bad_frame_count`` (not 3 frames), ``bad_start_frame``
-      (start not 8 bytes), ``too_many_pending`` (``max_pending_replays`` in progress),
-      ``too_many_clients`` (``replay_max_clients`` peers being served),
-      ``client_backlog`` (this peer has ``replay_max_client_bytes`` not yet taken),
-      ``memory`` (``replay_max_bytes_in_flight`` reached).
-      ``malformed_requests`` sums the first two, ``replay_requests_refused`` the rest.
-    * ``replay_peer_disconnects``: replay peers whose connection ended, including those
-      ZeroMQ dropped for a frame above ``replay_max_message_bytes``.
-    * ``internal_errors``: unexpected exceptions in the sender thread (logged).
-    """
-
-    batches_published: int = 0
-    events_published: int = 0
-    dropped_batches: int = 0
-    dropped_events: int = 0
-    drop_reasons: Counter[str] = field(default_factory=Counter)
-    encode_errors: int = 0
-    send_errors: int = 0
-    replay_requests: int = 0
-    replays_completed: int = 0
-    replay_batches_sent: int = 0
-    replays_truncated: int = 0
-    replay_batches_dropped: int = 0
-    replay_drop_reasons: Counter[str] = field(default_factory=Counter)
-    replay_requests_refused: int = 0
-    malformed_requests: int = 0
-    replay_refusals: Counter[str] = field(default_factory=Counter)
-    replay_peer_disconnects: int = 0
-    internal_errors: int = 0
-
-
-@dataclass
-class _ReplayCursor:
-    """One replay in progress: a snapshot of the buffer and the next index to send."""
-
-    identity: bytes
-    snapshot: list[tuple[int, bytes]]
-    position: int
-    end_sent: bool = False
-    stalled_since: float | None = None
-
-    @property
-    def remaining(self) -> int:
-        """Replies not yet sent, the end marker included."""
-        return len(self.snapshot) - self.position + (0 if self.end_sent else 1)
-
-
-@dataclass
-class _Peer:
-    """A replay peer: its pending replays and the bytes ZeroMQ still holds for it.
-
-    ``inflight`` is a FIFO of ``(tracker, bytes, messages)``, one per slice sent: the tracker of a
-    slice's last payload is done once ZeroMQ let go of it (written to the peer's
-    connection, or the peer is gone), and then so are the earlier ones.
-    """
-
-    cursors: deque[_ReplayCursor] = field(default_factory=deque)
-    inflight: deque[tuple[Any, int, int]] = field(default_factory=deque)
-    inflight_bytes: int = 0
-    inflight_messages: int = 0
-    carry_bytes: int = 0  # sent untracked (a slice cut short), released with the next
-    carry_messages: int = 0
 
 
 class ZmqEventPublisher:
@@ -202,7 +105,7 @@ class ZmqEventPublisher:
 
     Parameters mirror :class:`~kvevents.publishers.config.KVEventsConfig` (and vLLM's
     constructor).  Both endpoints are first offset for ``data_parallel_rank`` with
-    :func:`~kvevents.publishers.factory.offset_endpoint`.  After construction the
+    :func:`~kvevents.endpoints.offset_endpoint`.  After construction the
     sockets are bound or connected and :attr:`endpoint` / :attr:`replay_endpoint` hold
     the resolved addresses (the real port when port 0 was asked for).
 
@@ -246,7 +149,7 @@ class ZmqEventPublisher:
     """
 
     offset_endpoint_port = staticmethod(offset_endpoint)
-    """vLLM's name for :func:`~kvevents.publishers.factory.offset_endpoint`."""
+    """vLLM's name for :func:`~kvevents.endpoints.offset_endpoint`."""
 
     def __init__(
         self,
@@ -278,12 +181,7 @@ class ZmqEventPublisher:
         warn_interval_s: float = 10.0,
         bind: bool | None = None,
     ) -> None:
-        # Reuse the config's validation so both paths give the same messages.
-        from kvevents.publishers.config import KVEventsConfig
-
-        KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
+        validate_publisher_fields(
             endpoint=endpoint,
             replay_endpoint=replay_endpoint,
             buffer_steps=buffer_steps,
@@ -295,39 +193,28 @@ class ZmqEventPublisher:
         )
         if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int):
             raise ConfigError(f"data_parallel_rank must be an int, got {data_parallel_rank!r}")
-        for name, value in (
-            ("track_every", track_every),
-            ("replay_slice", replay_slice),
-            ("live_burst", live_burst),
-            ("max_pending_replays", max_pending_replays),
-            ("replay_max_clients", replay_max_clients),
-            ("replay_max_reply_bytes", replay_max_reply_bytes),
-            ("replay_max_client_bytes", replay_max_client_bytes),
-            ("replay_max_bytes_in_flight", replay_max_bytes_in_flight),
-            ("replay_sndhwm", replay_sndhwm),
-            ("replay_max_message_bytes", replay_max_message_bytes),
-            ("max_subscription_bytes", max_subscription_bytes),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if replay_max_message_bytes < 64:
-            raise ConfigError(
-                f"replay_max_message_bytes must be >= 64 (a request is 8 bytes plus "
-                f"framing), got {replay_max_message_bytes}"
-            )
-        if max_subscription_bytes <= len(topic.encode("utf-8")):
-            raise ConfigError(
-                f"max_subscription_bytes must exceed the topic's length (a subscription "
-                f"is the topic prefix plus one byte), got {max_subscription_bytes}"
-            )
-        for name, seconds in (
-            ("shutdown_timeout_s", shutdown_timeout_s),
-            ("replay_stall_timeout_s", replay_stall_timeout_s),
-            ("idle_poll_s", idle_poll_s),
-            ("warn_interval_s", warn_interval_s),
-        ):
-            if not isinstance(seconds, (int, float)) or seconds < 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
+        validate_zmq_tuning(
+            topic,
+            counts={
+                "track_every": track_every,
+                "replay_slice": replay_slice,
+                "live_burst": live_burst,
+                "max_pending_replays": max_pending_replays,
+                "replay_max_clients": replay_max_clients,
+                "replay_max_reply_bytes": replay_max_reply_bytes,
+                "replay_max_client_bytes": replay_max_client_bytes,
+                "replay_max_bytes_in_flight": replay_max_bytes_in_flight,
+                "replay_sndhwm": replay_sndhwm,
+                "replay_max_message_bytes": replay_max_message_bytes,
+                "max_subscription_bytes": max_subscription_bytes,
+            },
+            seconds={
+                "shutdown_timeout_s": shutdown_timeout_s,
+                "replay_stall_timeout_s": replay_stall_timeout_s,
+                "idle_poll_s": idle_poll_s,
+                "warn_interval_s": warn_interval_s,
+            },
+        )
 
         self.data_parallel_rank = data_parallel_rank
         self.requested_endpoint: str = offset_endpoint(endpoint, data_parallel_rank) or endpoint
@@ -357,84 +244,63 @@ class ZmqEventPublisher:
             if curve_secret_key_file is not None
             else None
         )
-        if self.curve is None and curve_authorized_keys_dir is not None:
-            raise ConfigError(
-                "curve_authorized_keys_dir needs curve_secret_key_file (the server's "
-                ".key_secret file) as well"
-            )
 
-        self._topic_frame = topic.encode("utf-8")
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._peers: dict[bytes, _Peer] = {}
-        self._pending = 0  # replay cursors over all peers
-        self._inflight_total = 0  # replay payload bytes ZeroMQ holds, all peers
-        self._replays_stalled = False  # no replay client accepted anything last round
-        # Live delivery confirmation: (seq, tracker, batches, events published so far).
-        self._marks: deque[tuple[int, Any, int, int]] = deque()
-        self._confirmed = (-1, 0, 0)  # newest (seq, batches, events) known sent
-        self._since_mark = 0
-        self._last_sent_seq = -1
         self._lock = threading.Lock()  # seq + enqueue order; drop counters
         self._next_seq = 0
         self._closed = False
-        self._closing = threading.Event()
-        self._deadline = 0.0
-        self._budget = self.shutdown_timeout_s
         self._drop_log = RateLimitedLog(logger, warn_interval_s)
-        self._error_log = RateLimitedLog(logger, warn_interval_s)
-        self._request_log = RateLimitedLog(logger, warn_interval_s)
-        # Test hook: a way to stall the sender thread deterministically.
-        self._pause_requested = False
-        self._paused = threading.Event()
-        self._resume = threading.Event()
-
-        inproc = self.requested_endpoint.startswith("inproc://") or (
-            self.requested_replay_endpoint or ""
-        ).startswith("inproc://")
-        self._own_ctx = context is None and not inproc
-        if context is not None:
-            self._ctx: zmq.Context[Any] = context
-        elif self._own_ctx:
-            self._ctx = zmq.Context(io_threads=1)
-        else:
-            self._ctx = zmq.Context.instance()
         self.binds = is_bind_endpoint(self.requested_endpoint) if bind is None else bind
-        self._releases: list[Callable[[], None]] = []
-        self._router: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
-        self._pub: zmq.Socket[Any] = self._ctx.socket(zmq.PUB)
-        try:
-            self._pub.set_hwm(hwm)
-            # Subscribers only send subscriptions (a topic prefix): a bigger frame makes
-            # ZeroMQ drop that peer before allocating it.
-            self._pub.setsockopt(zmq.MAXMSGSIZE, max_subscription_bytes)
-            self._releases.append(apply_curve_server(self._pub, self.curve))
-            enable_ipv6_if_needed(self._pub, self.requested_endpoint)
-            self.endpoint = self._attach(
-                self._pub, self.requested_endpoint, bind=self.binds, what="PUB"
-            )
-            self.replay_endpoint: str | None = None
-            if self.requested_replay_endpoint is not None:
-                self._router = self._ctx.socket(zmq.ROUTER)
-                self._router.setsockopt(zmq.SNDHWM, replay_sndhwm)
-                self._router.setsockopt(zmq.MAXMSGSIZE, replay_max_message_bytes)
-                # Report a full or vanished peer instead of dropping silently.
-                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self._releases.append(apply_curve_server(self._router, self.curve))
-                enable_ipv6_if_needed(self._router, self.requested_replay_endpoint)
-                self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self.replay_endpoint = self._attach(
-                    self._router, self.requested_replay_endpoint, bind=True, what="replay ROUTER"
-                )
-        except BaseException:
-            self._close_all(linger_ms=0)
-            raise
-
-        self._thread = threading.Thread(
-            target=self._run, name="kvevents-zmq-publisher", daemon=True
+        sockets = PublisherSockets(
+            context=context,
+            endpoint=self.requested_endpoint,
+            replay_endpoint=self.requested_replay_endpoint,
+            bind=self.binds,
+            hwm_messages=hwm,
+            max_subscription_bytes=max_subscription_bytes,
+            replay_sndhwm_messages=replay_sndhwm,
+            replay_max_message_bytes=replay_max_message_bytes,
+            curve=self.curve,
         )
-        self._thread.start()
+        self.endpoint = sockets.endpoint
+        self.replay_endpoint: str | None = sockets.replay_endpoint
+        topic_frame = topic.encode("utf-8")
+        error_log = RateLimitedLog(logger, warn_interval_s)
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._replay: ReplayService | None = None
+        if sockets.router is not None:
+            self._replay = ReplayService(
+                sockets.router,
+                sockets.monitor,
+                buffer,
+                self.stats,
+                topic_frame,
+                slice_replies=replay_slice,
+                stall_timeout_s=self.replay_stall_timeout_s,
+                max_pending=max_pending_replays,
+                max_clients=replay_max_clients,
+                max_reply_bytes=replay_max_reply_bytes,
+                max_client_bytes=replay_max_client_bytes,
+                max_bytes_in_flight=replay_max_bytes_in_flight,
+                sndhwm_messages=replay_sndhwm,
+                request_log=RateLimitedLog(logger, warn_interval_s),
+                error_log=error_log,
+            )
+        self._sender = SenderThread(
+            sockets=sockets,
+            batches=self._queue,
+            lock=self._lock,
+            stats=self.stats,
+            buffer=buffer,
+            marks=DeliveryMarks(track_every, hwm, self.stats, self._lock),
+            replay=self._replay,
+            topic_frame=topic_frame,
+            live_burst=live_burst,
+            idle_poll_s=self.idle_poll_s,
+            error_log=error_log,
+        )
+        self._thread = self._sender.thread
+        self._sender.start()
 
     # --- caller side ----------------------------------------------------------------
 
@@ -467,7 +333,7 @@ class ZmqEventPublisher:
                 self._queue.put_nowait((seq, batch))
                 return
             except queue.Full:
-                self._count_drop("queue_full", len(batch.events))
+                count_drop(self.stats, "queue_full", len(batch.events))
         self._drop_log.warning(
             "drop",
             "KV event queue full (max_queue_size=%d): dropped batch seq %d; "
@@ -494,12 +360,7 @@ class ZmqEventPublisher:
                     return
                 self._closed = True
             budget = self.shutdown_timeout_s if timeout_s is None else max(0.0, timeout_s)
-            self._budget = budget
-            self._deadline = time.monotonic() + budget
-            self._closing.set()
-            # On a full queue the thread sees _closing within idle_poll_s instead.
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(_STOP)
+            self._sender.request_stop(budget)
             self._thread.join(budget + 0.25)
             if self._thread.is_alive():
                 logger.warning(
@@ -524,7 +385,7 @@ class ZmqEventPublisher:
     @property
     def replay_bytes_in_flight(self) -> int:
         """Replay payload bytes handed to ZeroMQ and not yet written out (all peers)."""
-        return self._inflight_total
+        return 0 if self._replay is None else self._replay.inflight_total
 
     def __enter__(self) -> ZmqEventPublisher:
         return self
@@ -539,491 +400,20 @@ class ZmqEventPublisher:
             f"topic={self.topic!r}, closed={self._closed})"
         )
 
-    # --- helpers ----------------------------------------------------------------------
+    # --- views for tests and benchmarks ---------------------------------------------------
 
-    def _count_drop(self, reason: str, events: int, batches: int = 1) -> None:
-        """Count lost batches; the caller holds ``self._lock``."""
-        self.stats.dropped_batches += batches
-        self.stats.dropped_events += events
-        self.stats.drop_reasons[reason] += batches
+    @property
+    def _buffer(self) -> deque[tuple[int, bytes]]:  # the replay ring of (seq, payload)
+        return self._sender.buffer
 
-    def _count_drop_locked(self, reason: str, events: int, batches: int = 1) -> None:
-        with self._lock:
-            self._count_drop(reason, events, batches)
-
-    def _attach(self, sock: zmq.Socket[Any], endpoint: str, *, bind: bool, what: str) -> str:
-        try:
-            if bind:
-                sock.bind(endpoint)
-            else:
-                sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            verb = "bind" if bind else "connect"
-            raise ConfigError(f"cannot {verb} the {what} socket to {endpoint!r}: {exc}") from exc
-        last = sock.getsockopt(zmq.LAST_ENDPOINT)
-        resolved = last.decode("utf-8") if isinstance(last, bytes) else str(last)
-        return resolved or endpoint
+    @property
+    def _pending(self) -> int:  # replays in progress
+        return 0 if self._replay is None else self._replay.pending
 
     def _pause_sender(self, timeout_s: float = 5.0) -> None:
         """Test hook: stall the sender thread at the top of its loop; wait until it is."""
-        self._resume.clear()
-        self._paused.clear()
-        self._pause_requested = True
-        if not self._paused.wait(timeout_s):
-            raise TimeoutError("the publisher thread did not pause")
+        self._sender.pause(timeout_s)
 
     def _resume_sender(self) -> None:
         """Test hook: undo :meth:`_pause_sender`."""
-        self._pause_requested = False
-        self._resume.set()
-
-    # --- sender thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        flushed = False
-        try:
-            while True:
-                if self._pause_requested:
-                    self._paused.set()
-                    self._resume.wait()
-                try:
-                    stop = self._step()
-                except Exception:
-                    self.stats.internal_errors += 1
-                    logger.exception("unexpected error in the KV event publisher thread")
-                    stop = self._closing.is_set()
-                if stop:
-                    break
-            self._finish()
-            flushed = self._await_flush()
-        finally:
-            self._close_all(linger_ms=self._remaining_ms(), flushed=flushed)
-
-    def _flush_deadline(self) -> float:
-        """When sending and waiting must stop: the deadline less a linger reserve."""
-        return self._deadline - min(0.1, self._budget / 4)
-
-    def _remaining_ms(self) -> int:
-        return int(max(0.0, self._deadline - time.monotonic()) * 1000)
-
-    def _step(self) -> bool:
-        """One round: a burst of live batches, new replay requests, one replay slice.
-
-        Returns True when the thread should stop.
-        """
-        closing = self._closing.is_set()
-        if closing and time.monotonic() >= self._flush_deadline():
-            return True
-        # Block for the next batch unless a replay can make progress right now; a
-        # replay whose client is full is retried after at most idle_poll_s.
-        wait = (not self._pending or self._replays_stalled) and not closing
-        timeout = self.idle_poll_s if self._router is not None else max(self.idle_poll_s, 0.1)
-        sent = 0
-        while sent < self.live_burst:
-            try:
-                item = (
-                    self._queue.get(timeout=timeout)
-                    if wait and sent == 0
-                    else (self._queue.get_nowait())
-                )
-            except queue.Empty:
-                break
-            if item is _STOP:
-                return True
-            # While closing, ask ZeroMQ about the last batch (the queue holds at most
-            # the stop sentinel after it) so shutdown knows when everything has left.
-            track = self._since_mark + 1 >= self.track_every or (
-                closing and self._queue.qsize() <= 1
-            )
-            self._send_live(*item, track=track)
-            sent += 1
-        if self._router is not None:
-            self._accept_requests()
-            if self._peers:
-                self._replays_stalled = not self._serve_replays()
-        return closing and sent == 0 and self._queue.empty()
-
-    def _send_live(self, seq: int, batch: EventBatch, *, track: bool = False) -> None:
-        try:
-            payload = encode_batch(batch)
-        except EncodeError as exc:
-            self.stats.encode_errors += 1
-            self._count_drop_locked("encode_error", len(batch.events))
-            self._error_log.warning("error", "dropped KV event batch seq %d: %s", seq, exc)
-            return
-        tracker = None
-        try:
-            if track:
-                self._pub.send(self._topic_frame, zmq.SNDMORE | zmq.NOBLOCK)
-                self._pub.send(pack_seq(seq), zmq.SNDMORE | zmq.NOBLOCK)
-                tracker = self._pub.send(
-                    zmq.Frame(payload, track=True, copy=False), zmq.NOBLOCK, copy=False, track=True
-                )
-            else:
-                self._pub.send_multipart(pack_live(self._topic_frame, seq, payload), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self.stats.send_errors += 1
-            self._count_drop_locked("send_error", len(batch.events))
-            self._error_log.warning("error", "could not send KV event batch seq %d: %s", seq, exc)
-            return
-        self.stats.batches_published += 1
-        self.stats.events_published += len(batch.events)
-        self._buffer.append((seq, payload))
-        self._last_sent_seq = seq
-        self._since_mark += 1
-        if tracker is not None:
-            self._since_mark = 0
-            self._marks.append(
-                (seq, tracker, self.stats.batches_published, self.stats.events_published)
-            )
-            self._prune_marks()
-
-    def _prune_marks(self) -> None:
-        """Advance the confirmed point over marks ZeroMQ is done with; bound the list."""
-        marks = self._marks
-        while marks and marks[0][1].done:
-            seq, _, batches, events = marks.popleft()
-            self._confirmed = (seq, batches, events)
-        # A subscriber that never reads holds its oldest marks forever; forgetting them
-        # only makes the shutdown count more cautious.
-        limit = max(64, self.hwm // self.track_every + 64)
-        while len(marks) > limit:
-            marks.popleft()
-
-    # --- replay ---------------------------------------------------------------------------
-
-    def _refuse(self, reason: str, detail: str) -> None:
-        self.stats.replay_refusals[reason] += 1
-        if reason in ("bad_frame_count", "bad_start_frame"):
-            self.stats.malformed_requests += 1
-        else:
-            self.stats.replay_requests_refused += 1
-        self._request_log.warning("request", "refused a replay request (%s): %s", reason, detail)
-
-    def _accept_requests(self) -> None:
-        router = self._router
-        assert router is not None
-        self._count_disconnects()
-        for _ in range(self.max_pending_replays):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(frames) != 3:
-                self._refuse(
-                    "bad_frame_count",
-                    f"{len(frames)} frames, expected [identity, b'', start]",
-                )
-                continue
-            identity, _delimiter, start_frame = frames
-            if len(start_frame) != 8:
-                self._refuse(
-                    "bad_start_frame",
-                    f"start frame of {len(start_frame)} bytes, expected an 8-byte seq",
-                )
-                continue
-            start = int.from_bytes(start_frame, "big")
-            self.stats.replay_requests += 1
-            peer = self._peers.get(identity)
-            serving = sum(1 for p in self._peers.values() if p.cursors)
-            if self._pending >= self.max_pending_replays:
-                self._refuse("too_many_pending", f"{self._pending} replays in progress")
-                continue
-            if (peer is None or not peer.cursors) and serving >= self.replay_max_clients:
-                self._refuse("too_many_clients", f"{serving} clients being served")
-                continue
-            if peer is not None and peer.inflight_bytes >= self.replay_max_client_bytes:
-                self._refuse(
-                    "client_backlog",
-                    f"{peer.inflight_bytes} bytes not yet taken by this client",
-                )
-                continue
-            if self._inflight_total >= self.replay_max_bytes_in_flight:
-                self._refuse("memory", f"{self._inflight_total} replay bytes in flight")
-                continue
-            if peer is None:
-                peer = self._peers[identity] = _Peer()
-            peer.cursors.append(_ReplayCursor(identity, self._snapshot(start), 0))
-            self._pending += 1
-
-    def _snapshot(self, start: int) -> list[tuple[int, bytes]]:
-        """The buffered batches from ``start`` on, cut at ``replay_max_reply_bytes``."""
-        buffer = self._buffer
-        if not buffer or start > buffer[-1][0]:
-            return []
-        # Seqs in the buffer are increasing but may have holes (drops): search by seq.
-        entries = list(buffer)
-        position = bisect.bisect_left(entries, start, key=_seq_of)
-        out: list[tuple[int, bytes]] = []
-        total = 0
-        for entry in entries[position:]:
-            size = len(entry[1])
-            if out and total + size > self.replay_max_reply_bytes:
-                self.stats.replays_truncated += 1
-                break
-            out.append(entry)
-            total += size
-        return out
-
-    def _count_disconnects(self) -> None:
-        monitor = self._monitor
-        if monitor is None:
-            return
-        while True:
-            try:
-                monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.stats.replay_peer_disconnects += 1
-
-    def _serve_replays(self) -> bool:
-        """Send at most ``replay_slice`` replies to each client with a replay pending.
-
-        Returns whether any client accepted a reply (False: every client was full).
-        """
-        router = self._router
-        assert router is not None
-        now = time.monotonic()
-        progressed = False
-        for identity in list(self._peers):
-            peer = self._peers[identity]
-            self._settle_inflight(peer)
-            cursors = peer.cursors
-            if cursors:
-                cursor = cursors[0]
-                outcome = self._advance(router, peer, cursor)
-                if outcome == "progress":
-                    progressed = True
-                    cursor.stalled_since = None
-                elif outcome == "stalled":
-                    if cursor.stalled_since is None:
-                        cursor.stalled_since = now
-                    elif now - cursor.stalled_since >= self.replay_stall_timeout_s:
-                        # Its later requests would stall behind this one: drop them all.
-                        while cursors:
-                            self._abandon(cursors.popleft(), "client_stalled")
-                elif outcome == "gone":
-                    progressed = True
-                    while cursors:
-                        self._abandon(cursors.popleft(), "client_gone")
-                if cursors and cursors[0] is cursor and cursor.end_sent:
-                    cursors.popleft()
-                    self._pending -= 1
-            if not peer.cursors and not peer.inflight and not peer.carry_bytes:
-                del self._peers[identity]
-        return progressed
-
-    def _settle_inflight(self, peer: _Peer) -> None:
-        inflight = peer.inflight
-        while inflight and inflight[0][0].done:
-            _, size, messages = inflight.popleft()
-            peer.inflight_bytes -= size
-            peer.inflight_messages -= messages
-            self._inflight_total -= size
-
-    def _forget_inflight(self, peer: _Peer) -> None:
-        """The peer is gone: ZeroMQ dropped its queue, so nothing is held for it."""
-        self._inflight_total -= peer.inflight_bytes
-        peer.inflight.clear()
-        peer.inflight_bytes = peer.inflight_messages = 0
-        peer.carry_bytes = peer.carry_messages = 0
-
-    def _advance(self, router: zmq.Socket[Any], peer: _Peer, cursor: _ReplayCursor) -> str:
-        """Send up to one slice for ``cursor``: ``progress``, ``stalled`` or ``gone``.
-
-        Keeps the peer's unconfirmed messages below ``replay_sndhwm`` (so ZeroMQ never
-        refuses part of a slice) and its bytes below the per-peer and total caps.  The
-        slice's last payload is tracked; when ZeroMQ is done with it, the slice's bytes
-        are released.
-        """
-        snapshot = cursor.snapshot
-        room = self.replay_sndhwm - 1 - peer.inflight_messages  # one left for the end marker
-        sent = size = 0
-        plan: list[tuple[int, bytes]] = []
-        while cursor.position + len(plan) < len(snapshot) and len(plan) < min(
-            self.replay_slice, room
-        ):
-            entry = snapshot[cursor.position + len(plan)]
-            # Within both caps; a batch larger than a cap goes alone, when nothing is held.
-            mine = peer.inflight_bytes + size
-            everyone = self._inflight_total + size
-            if not (
-                (mine + len(entry[1]) <= self.replay_max_client_bytes or mine == 0)
-                and (everyone + len(entry[1]) <= self.replay_max_bytes_in_flight or everyone == 0)
-            ):
-                break
-            plan.append(entry)
-            size += len(entry[1])
-        size = 0
-        try:
-            for k, (seq, payload) in enumerate(plan):
-                router.send_multipart(
-                    [cursor.identity, b"", self._topic_frame, pack_seq(seq)],
-                    zmq.SNDMORE | zmq.NOBLOCK,
-                )
-                if k + 1 == len(plan):
-                    tracker = router.send(
-                        zmq.Frame(payload, track=True, copy=False),
-                        zmq.NOBLOCK,
-                        copy=False,
-                        track=True,
-                    )
-                    size += len(payload)
-                    # Earlier sends cut short are released with this one (FIFO).
-                    peer.inflight.append(
-                        (tracker, size + peer.carry_bytes, len(plan) + peer.carry_messages)
-                    )
-                    peer.inflight_bytes += size
-                    peer.inflight_messages += len(plan)
-                    self._inflight_total += size
-                    peer.carry_bytes = peer.carry_messages = 0
-                    size = 0
-                else:
-                    router.send(payload, zmq.NOBLOCK)
-                    size += len(payload)
-                cursor.position += 1
-                sent += 1
-                self.stats.replay_batches_sent += 1
-            if cursor.position >= len(snapshot) and room - sent >= 0 and not cursor.end_sent:
-                router.send_multipart(pack_replay_end(cursor.identity), zmq.NOBLOCK)
-                cursor.end_sent = True
-                self.stats.replays_completed += 1
-        except zmq.Again:
-            # Not expected (the peer's queue is kept below its HWM); retried later.  Bytes
-            # of untracked sends stay counted until the peer's next tracked one is done.
-            if size:
-                peer.carry_bytes += size
-                peer.carry_messages += sent
-                peer.inflight_bytes += size
-                peer.inflight_messages += sent
-                self._inflight_total += size
-            return "progress" if sent else "stalled"
-        except zmq.ZMQError as exc:
-            self._forget_inflight(peer)
-            if exc.errno == zmq.EHOSTUNREACH:
-                return "gone"
-            self.stats.send_errors += 1
-            self._error_log.warning("error", "replay send failed: %s", exc)
-            return "gone"
-        return "progress" if sent or cursor.end_sent else "stalled"
-
-    def _abandon(self, cursor: _ReplayCursor, reason: str) -> None:
-        self._pending -= 1
-        self.stats.replay_batches_dropped += cursor.remaining
-        self.stats.replay_drop_reasons[reason] += cursor.remaining
-        self._request_log.warning(
-            "request", "abandoned a replay (%s) with %d replies unsent", reason, cursor.remaining
-        )
-
-    # --- shutdown ---------------------------------------------------------------------
-
-    def _finish(self) -> None:
-        """After the loop: count what could not be sent in time; drop open replays."""
-        batches = events = 0
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not _STOP:
-                batches += 1
-                events += len(item[1].events)
-        if batches:
-            self._count_drop_locked("shutdown", events, batches)
-        for peer in self._peers.values():
-            while peer.cursors:
-                self._abandon(peer.cursors.popleft(), "shutdown")
-
-    def _await_flush(self) -> bool:
-        """Wait (until the flush deadline) for ZeroMQ to write out every batch sent.
-
-        Returns True when the last batch sent is confirmed written; otherwise moves the
-        batches after the newest confirmed one from published to dropped
-        (``shutdown_unflushed``) and returns False.
-        """
-        if self.requested_endpoint.startswith("inproc://"):
-            return True  # an inproc send lands in the subscriber's own queue
-        self._prune_marks()
-        if self.stats.batches_published == self._confirmed[1]:
-            return True  # nothing sent since the last confirmation
-        last = self._marks[-1] if self._marks else None
-        if last is not None and last[0] == self._last_sent_seq:
-            with contextlib.suppress(zmq.NotDone):
-                last[1].wait(max(0.0, self._flush_deadline() - time.monotonic()))
-        self._newest_done_mark()
-        if self.stats.batches_published == self._confirmed[1]:
-            return True
-        if self._own_ctx:
-            return False  # the context's termination may still prove them written
-        self._uncount_unflushed()
-        return True
-
-    def _newest_done_mark(self) -> None:
-        """Move the confirmed point to the newest mark ZeroMQ is done with (everything
-        before it was written too: each subscriber's queue is FIFO)."""
-        for mark in reversed(self._marks):
-            if mark[1].done:
-                if mark[0] > self._confirmed[0]:
-                    self._confirmed = (mark[0], mark[2], mark[3])
-                return
-
-    def _uncount_unflushed(self) -> None:
-        _, batches, events = self._confirmed
-        lost_batches = self.stats.batches_published - batches
-        lost_events = self.stats.events_published - events
-        if lost_batches <= 0:
-            return
-        self.stats.batches_published = batches
-        self.stats.events_published = events
-        self._count_drop_locked("shutdown_unflushed", lost_events, lost_batches)
-        logger.warning(
-            "KV event publisher %s: %d batches sent to ZeroMQ were not written to every "
-            "connected subscriber within the shutdown budget; counted as dropped",
-            self.endpoint,
-            lost_batches,
-        )
-
-    def _close_all(self, linger_ms: int, flushed: bool = True) -> None:
-        """Close the sockets (PUB with ``linger_ms``) and, if ours, the context.
-
-        ``flushed=False``: batches after the confirmed point may still be in ZeroMQ;
-        terminating our own context waits (up to the linger) until they are written,
-        and whatever the linger did not cover is counted as unflushed.
-        """
-        start = time.monotonic()
-        try:
-            if self._monitor is not None and self._router is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._router.disable_monitor()
-                self._monitor.close(linger=0)
-            if self._router is not None:
-                self._router.close(linger=0)
-            self._pub.close(linger=linger_ms)
-        finally:
-            for release in self._releases:
-                with contextlib.suppress(Exception):
-                    release()
-            self._releases.clear()
-        if not self._own_ctx:
-            return
-        if flushed or linger_ms == 0:
-            self._ctx.term()
-            if not flushed:
-                self._uncount_unflushed()
-            return
-        # term() returns once every pipe is empty or the linger expired; before the
-        # linger expired means everything sent was written.  Meanwhile keep reading the
-        # marks (until just before the linger ends, when ZeroMQ would free the rest).
-        terminator = threading.Thread(target=self._ctx.term, name="kvevents-zmq-term")
-        terminator.start()
-        watch_until = start + linger_ms / 1000 - 0.01
-        while terminator.is_alive() and time.monotonic() < watch_until:
-            self._newest_done_mark()
-            terminator.join(0.002)
-        if terminator.is_alive() or time.monotonic() >= watch_until:
-            self._uncount_unflushed()
-        terminator.join()
-
-
-def _seq_of(entry: tuple[int, bytes]) -> int:
-    return entry[0]
+        self._sender.resume()

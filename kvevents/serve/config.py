@@ -7,10 +7,9 @@ TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``, ``replay``,
 environment (``KVEVENTS_SERVE_HOST``, ``KVEVENTS_SERVE_PORT``, ``KVEVENTS_SERVE_POLICY``,
 ``KVEVENTS_SERVE_ENGINES``: engine specs separated by whitespace).
 
-``dp=N`` makes one entry stand for data-parallel ranks ``0..N-1``: rank ``r`` publishes on
-the events (and replay) endpoint with its port moved up by ``r``, vLLM's offset rule
-(``offset_endpoint``), and takes requests on the same HTTP URL with the
-``X-data-parallel-rank: r`` header.
+The engine spec type and its parser are :mod:`kvevents.engines`' (one for every
+command); :class:`EngineSpec` and :func:`parse_engine_spec` are re-exported here.  ``dp=N``
+makes one entry stand for data-parallel ranks ``0..N-1`` (see :mod:`kvevents.engines`).
 
 Nothing here needs the ``serve`` extra.
 """
@@ -18,12 +17,12 @@ Nothing here needs the ``serve`` extra.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvevents.engines import EngineSpec, parse_engine_spec
 from kvevents.errors import ConfigError
 
 __all__ = [
@@ -37,90 +36,6 @@ __all__ = [
 POLICIES: tuple[str, ...] = ("kv-aware", "kv-aware-gpu", "round-robin", "random")
 """Routing policies: KV-aware over every tier, KV-aware on the GPU tier only, and two
 baselines that ignore the cache."""
-
-_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """One engine (one ``--engine`` entry).
-
-    ``url`` is its OpenAI server's base URL (no trailing slash); ``events`` its KV-event
-    PUB endpoint; ``replay`` its replay ROUTER endpoint (None: no replay); ``dp`` how many
-    data-parallel ranks publish at offset ports; ``topic`` the topic prefix subscribed to.
-    """
-
-    name: str
-    url: str
-    events: str
-    replay: str | None = None
-    dp: int = 1
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ConfigError(f"engine name {self.name!r} must match [A-Za-z0-9_-]+")
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"engine {self.name}: HTTP URL {self.url!r} must start with http://")
-        for what, ep in (("events", self.events), ("replay", self.replay)):
-            if ep and "://" not in ep:
-                raise ConfigError(f"engine {self.name}: {what} endpoint {ep!r} is not a ZMQ URL")
-        if self.dp < 1:
-            raise ConfigError(f"engine {self.name}: dp must be >= 1")
-        if self.url.endswith("/"):
-            object.__setattr__(self, "url", self.url.rstrip("/"))
-
-    def rank_endpoints(self, rank: int) -> tuple[str, str | None]:
-        """The events and replay endpoints of data-parallel rank ``rank``."""
-        from kvevents.engines import offset_endpoint
-
-        events = offset_endpoint(self.events, rank)
-        assert events is not None
-        return events, offset_endpoint(self.replay, rank)
-
-    def spec(self) -> str:
-        """This engine as an ``--engine`` value."""
-        parts = [self.url, self.events] + ([self.replay] if self.replay else [])
-        out = f"{self.name}={','.join(parts)}"
-        if self.dp != 1:
-            out += f";dp={self.dp}"
-        if self.topic:
-            out += f";topic={self.topic}"
-        return out
-
-
-def parse_engine_spec(text: str) -> EngineSpec:
-    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T]`` (or ``NAME=HTTP_URL`` when
-    the events come from JetStream); :class:`ConfigError` if bad."""
-    name, sep, rest = text.strip().partition("=")
-    if not sep or not rest:
-        raise ConfigError(
-            f"--engine {text!r}: expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]"
-            "[;dp=N][;topic=T]"
-        )
-    main, *options = rest.split(";")
-    parts = [p.strip() for p in main.split(",")]
-    if len(parts) == 1 and parts[0]:
-        parts.append("")  # NAME=HTTP_URL: events come from JetStream (serve --nats)
-    elif len(parts) not in (2, 3) or not all(parts):
-        raise ConfigError(
-            f"--engine {text!r}: expected HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] after '='"
-        )
-    dp, topic = 1, ""
-    for opt in options:
-        key, eq, value = opt.strip().partition("=")
-        if key == "dp" and eq:
-            try:
-                dp = int(value)
-            except ValueError:
-                raise ConfigError(f"--engine {text!r}: dp={value!r} is not an integer") from None
-        elif key == "topic" and eq:
-            topic = value
-        else:
-            raise ConfigError(f"--engine {text!r}: unknown option {opt!r} (dp=N or topic=T)")
-    return EngineSpec(
-        name.strip(), parts[0], parts[1], parts[2] if len(parts) == 3 else None, dp, topic
-    )
 
 
 @dataclass(frozen=True)
@@ -162,11 +77,14 @@ class ServeConfig:
             raise ConfigError("no engines: give --engine NAME=HTTP_URL,EVENTS[,REPLAY] or --config")
         if self.nats_url is None:
             for e in self.engines:
-                if not e.events:
+                if e.events_endpoint is None:
                     raise ConfigError(
                         f"engine {e.name}: no events endpoint (NAME=HTTP_URL,EVENTS[,REPLAY]), "
                         "and no --nats stream to read its events from"
                     )
+        for e in self.engines:
+            if e.http_url is None:
+                raise ConfigError(f"engine {e.name}: missing the HTTP URL (http://HOST:PORT)")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ConfigError(f"engine names must be unique: {names}")
@@ -289,9 +207,11 @@ def load_config(
         if env.get(var):
             values[key] = _coerce(key, env[var], var)
     if env.get("KVEVENTS_SERVE_ENGINES"):
-        specs = [parse_engine_spec(s) for s in env["KVEVENTS_SERVE_ENGINES"].split()]
+        specs = [
+            parse_engine_spec(s, require_http=True) for s in env["KVEVENTS_SERVE_ENGINES"].split()
+        ]
     if engines:
-        specs = [parse_engine_spec(s) for s in engines]
+        specs = [parse_engine_spec(s, require_http=True) for s in engines]
     for key, value in (options or {}).items():
         if value is not None:
             if key not in _OPTION_TYPES:

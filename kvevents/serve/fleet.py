@@ -230,8 +230,8 @@ class Fleet:
         ctx: zmq.Context[Any] = zmq.Context.instance()
         try:
             for spec in config.engines:
-                for rank in range(spec.dp):
-                    events, replay = spec.rank_endpoints(rank)
+                for rank in range(spec.dp_size):
+                    events, replay = spec.endpoints_for_rank(rank)
                     name = spec.name if rank == 0 else f"{spec.name}@dp{rank}"
                     state = RankState(spec, rank, name, events, replay)
                     inner = ZmqSource(events, spec.topic.encode(), replay, name=name, context=ctx)
@@ -256,7 +256,7 @@ class Fleet:
         as ``kvevents.<NAME>.<rank>``): the worker of an engine's rank is ``(NAME, rank)``,
         and a stream is durable, so every rank counts as connected and caught up."""
         for spec in config.engines:
-            for rank in range(spec.dp):
+            for rank in range(spec.dp_size):
                 state = RankState(spec, rank, spec.name, config.nats_url or "", None)
                 state.connected = True
                 self.ranks.append(state)

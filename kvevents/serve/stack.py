@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import warnings
 from collections.abc import Coroutine
 from dataclasses import replace
 from types import TracebackType
@@ -67,14 +68,28 @@ class LocalStack:
         self._events_host = f"[{events_host}]" if ":" in events_host else events_host
         self._capture = capture
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
-        """Run ``coro`` on the stack's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def call(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout_s: float | None = 30.0,
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """Run ``coro`` on the stack's loop and wait up to ``timeout_s`` seconds (None:
+        for ever) for its result.  ``timeout`` is the deprecated name of ``timeout_s``."""
+        if timeout is not None:
+            warnings.warn(
+                "LocalStack.call(timeout=...) is deprecated; use timeout_s",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            timeout_s = timeout
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def start(self) -> LocalStack:
         self._thread.start()
         try:
-            self.call(self._start(), timeout=self._start_timeout_s)
+            self.call(self._start(), timeout_s=self._start_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -141,7 +156,7 @@ class LocalStack:
     def close(self) -> None:
         if self._thread.is_alive():
             try:
-                self.call(self._stop(), timeout=30)
+                self.call(self._stop(), timeout_s=30)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=10)

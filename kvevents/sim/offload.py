@@ -18,17 +18,17 @@ the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3
   (skipping blocks of a first chunk that the GPU hit already covers), waited for, then
   ``complete_load``.
 
-The simulated KV cache is one byte tensor of ``(num_gpu_blocks, page_bytes)`` on
-``device`` (``"cpu"`` or ``"cuda"``); every computed block holds bytes derived from its
-hash (:func:`expected_block_bytes`), so a load can be checked.  Without torch (or with
-``transfers=False``) the manager and its events work the same and the byte copies are
-skipped (counted in ``stats.transfers_skipped``).
+The simulated KV bytes and their copies are :mod:`kvevents.sim.kv_bytes`' (every
+computed block holds bytes derived from its hash, :func:`expected_block_bytes`, so a load
+can be checked).  Without torch (or with ``transfers=False``) the manager and its events
+work the same and the byte copies are skipped (counted in ``stats.transfers_skipped``).
+
+One job: the CPU tier's bookkeeping as vLLM's scheduler drives it.  Imports the offload
+room of the publishers (no torch) and :mod:`kvevents.sim.kv_bytes`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import logging
 import math
@@ -37,21 +37,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.errors import ConfigError
+from kvevents.errors import OffloadError
 from kvevents.events import KVEvent
+from kvevents.publishers.offload import (
+    CPULoadStoreSpec,
+    CPUOffloadingManager,
+    GPULoadStoreSpec,
+    OffloadEventTranslator,
+    OffloadGroup,
+    OffloadKey,
+    ReqContext,
+    make_offload_key,
+)
 from kvevents.sim.block_pool import NULL_BLOCK
+from kvevents.sim.kv_bytes import SimKVBytes
+from kvevents.sim.kv_bytes import expected_block_bytes as expected_block_bytes  # re-exported
 
 __all__ = ["OffloadSimStats", "SimOffload", "expected_block_bytes"]
 
 logger = logging.getLogger(__name__)
-
-
-def expected_block_bytes(digest: bytes, group: int, page_bytes: int) -> bytes:
-    """The simulated KV bytes of a computed block: the group id and its digest, repeated
-    to ``page_bytes``."""
-    seed = bytes([group & 0xFF]) + digest
-    reps = -(-page_bytes // len(seed))
-    return (seed * reps)[:page_bytes]
 
 
 @dataclass
@@ -74,8 +78,8 @@ class OffloadSimStats:
 
 @dataclass
 class _PendingStore:
-    keys: list[bytes]
-    ctx: Any
+    keys: list[OffloadKey]
+    ctx: ReqContext
     jobs: set[int]
     ok: bool = True
     epoch: int = 0
@@ -98,8 +102,6 @@ class SimOffload:
         eagle_drop: bool = False,
         windows: Sequence[int | None] | None = None,
     ) -> None:
-        off: Any = importlib.import_module("kvevents.publishers.offload")
-        self._off = off
         self.blocks_per_chunk = blocks_per_chunk
         self.eagle_drop = eagle_drop
         self.block_sizes = list(block_sizes)
@@ -118,52 +120,44 @@ class SimOffload:
             g for g, w in enumerate(self.windows) if w is not None
         ]
         self.page_bytes = page_bytes
-        self.manager = off.CPUOffloadingManager(
+        self.manager = CPUOffloadingManager(
             num_chunks, cache_policy=cache_policy, enable_events=True
         )
-        self.translator = off.OffloadEventTranslator(
-            [off.OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
+        self.translator = OffloadEventTranslator(
+            [OffloadGroup(bs) for bs in self.block_sizes], blocks_per_chunk=blocks_per_chunk
         )
         self.stats = OffloadSimStats()
         self._pending: list[_PendingStore] = []
         self._epoch = 0
         self._finished_jobs: dict[int, bool] = {}
         self._job_ids = itertools.count()
-        self._ctx: dict[str, Any] = {}
+        self._ctx: dict[str, ReqContext] = {}
         self._offered: dict[str, list[int]] = {}
-        self._torch: Any = None
-        self.kv: Any = None
-        self.worker: Any = None
-        self._skip_reason = ""
-        if not transfers:
-            self._skip_reason = "disabled"
-        else:
-            try:
-                import torch
-
-                transfer: Any = importlib.import_module("kvevents.publishers.offload.transfer")
-            except ImportError:
-                self._skip_reason = "torch_missing"
-            else:
-                if device.startswith("cuda") and not torch.cuda.is_available():
-                    raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
-                self._torch = torch
-                self.kv = torch.zeros((num_gpu_blocks, page_bytes), dtype=torch.int8, device=device)
-                self.worker = transfer.CPUTransferWorker([self.kv], num_chunks, blocks_per_chunk)
-        if self._skip_reason:
-            logger.info("simulated offload runs without byte transfers (%s)", self._skip_reason)
+        self.bytes = SimKVBytes(
+            num_gpu_blocks,
+            num_chunks,
+            blocks_per_chunk,
+            self.block_sizes,
+            page_bytes=page_bytes,
+            transfers=transfers,
+            device=device,
+        )
+        """The simulated KV bytes and their transfer worker."""
+        self.kv: Any = self.bytes.kv
+        self.worker: Any = self.bytes.worker
+        self._skip_reason = self.bytes.skip_reason
 
     # --- keys ---------------------------------------------------------------------------
-    def key(self, raw: Sequence[bytes], group: int, chunk: int) -> bytes:
+    def key(self, raw: Sequence[bytes], group: int, chunk: int) -> OffloadKey:
         """The offload key of ``chunk`` in ``group`` for a request with raw hashes ``raw``."""
         digest = raw[(chunk + 1) * self.hashes_per_chunk[group] - 1]
-        return bytes(self._off.make_offload_key(digest, group))
+        return make_offload_key(digest, group)
 
-    def context(self, req_id: str) -> Any:
+    def context(self, req_id: str) -> ReqContext:
         """The request's ``ReqContext`` (created on first use)."""
         ctx = self._ctx.get(req_id)
         if ctx is None:
-            ctx = self._ctx[req_id] = self._off.ReqContext(req_id=req_id)
+            ctx = self._ctx[req_id] = ReqContext(req_id=req_id)
         return ctx
 
     # --- scheduler-side calls -----------------------------------------------------------
@@ -272,7 +266,7 @@ class SimOffload:
             try:
                 if self.worker is not None and last > first:
                     job = next(self._job_ids)
-                    dst = self._off.GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
+                    dst = GPULoadStoreSpec(list(blocks[g][first:last]), None, [first])
                     self.worker.submit_load(job, spec, dst)
                     self.worker.wait([job])
                     self.stats.blocks_copied_to_device += last - first
@@ -289,8 +283,8 @@ class SimOffload:
         copy the accepted ones to host memory.  Returns the number of keys offered."""
         ctx = self.context(req_id)
         offered = self._offered.setdefault(req_id, [0] * len(self.block_sizes))
-        keys: list[bytes] = []
-        where: dict[bytes, tuple[int, int]] = {}
+        keys: list[OffloadKey] = []
+        where: dict[OffloadKey, tuple[int, int]] = {}
         for g, tpc in enumerate(self.tokens_per_chunk):
             n_chunks = min(upto, len(raw) * self.unit) // tpc
             bpc = self.blocks_per_chunk
@@ -309,11 +303,14 @@ class SimOffload:
         if out is None:
             self.stats.stores_rejected += 1
             return len(keys)
-        to_store = [bytes(k) for k in out.keys_to_store]
+        to_store = list(out.keys_to_store)
         if not to_store:
             return len(keys)
         pending = _PendingStore(to_store, ctx, set(), epoch=self._epoch)
-        chunk_ids = [int(i) for i in out.store_spec.chunk_ids]
+        spec = out.store_spec
+        if not isinstance(spec, CPULoadStoreSpec):
+            raise OffloadError("the manager's store spec is not a CPU chunk spec")
+        chunk_ids = [int(i) for i in spec.chunk_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
             for g in range(len(self.block_sizes)):
@@ -325,7 +322,7 @@ class SimOffload:
                     c = where[k][1]
                     src.extend(blocks[g][c * bpc : (c + 1) * bpc])
                 job = next(self._job_ids)
-                dst = self._off.CPULoadStoreSpec([row for _, row in mine])
+                dst = CPULoadStoreSpec([row for _, row in mine])
                 self.worker.submit_store(job, src, dst)
                 pending.jobs.add(job)
                 self.stats.blocks_copied_to_host += len(src)
@@ -390,23 +387,9 @@ class SimOffload:
         start: int,
         end: int,
     ) -> None:
-        """Fill the device blocks that become full while computing tokens ``[start, end)``."""
-        if self.kv is None:
-            return
-        torch = self._torch
-        ids: list[int] = []
-        data = bytearray()
-        for g, bs in enumerate(self.block_sizes):
-            for i in range(start // bs, min(end // bs, len(digests[g]))):
-                if blocks[g][i] == NULL_BLOCK:
-                    continue
-                ids.append(blocks[g][i])
-                data += expected_block_bytes(digests[g][i], g, self.page_bytes)
-        if not ids:
-            return
-        rows = torch.frombuffer(data, dtype=torch.int8).view(len(ids), self.page_bytes)
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(0, index, rows.to(self.kv.device))
+        """Fill the device blocks that become full while computing tokens ``[start, end)``
+        (see :meth:`SimKVBytes.write_blocks`)."""
+        self.bytes.write_blocks(digests, blocks, start, end)
 
     def verify_blocks(
         self,
@@ -416,18 +399,4 @@ class SimOffload:
         end: int,
     ) -> int:
         """How many blocks of ``[start, end)`` do not hold their expected bytes."""
-        if self.kv is None:
-            return 0
-        bad = 0
-        for g, bs in enumerate(self.block_sizes):
-            kept = [i for i in range(start // bs, end // bs) if blocks[g][i] != NULL_BLOCK]
-            if not kept:
-                continue
-            ids = [blocks[g][i] for i in kept]
-            index = self._torch.tensor(ids, device=self.kv.device)
-            got = self.kv.index_select(0, index).cpu().numpy().tobytes()
-            p = self.page_bytes
-            for j, i in enumerate(kept):
-                if got[j * p : (j + 1) * p] != expected_block_bytes(digests[g][i], g, p):
-                    bad += 1
-        return bad
+        return self.bytes.verify_blocks(digests, blocks, start, end)

@@ -13,7 +13,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvevents.consumers.index import BlockIndex, _gpu, _parent
+from kvevents.consumers.index import BlockIndex
+from kvevents.consumers.index.records import gpu_refs as _gpu
+from kvevents.consumers.index.records import parent_of as _parent
 from kvevents.consumers.router import Router
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 

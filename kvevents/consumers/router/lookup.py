@@ -15,8 +15,7 @@ Full-attention groups without lookahead take their GPU prefix from the one walk
 (:func:`~kvevents.consumers.router.walk.full_prefix`) when it is given.
 
 May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
-:mod:`kvevents.request`, and the router's :mod:`~kvevents.consumers.router.match` and
-:mod:`~kvevents.consumers.router.walk` (for the plan types).
+:mod:`kvevents.request`, and the router's :mod:`~kvevents.consumers.router.match`.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ from __future__ import annotations
 from itertools import repeat
 
 from kvevents.consumers.content import lookahead_key, request_keys
-from kvevents.consumers.index import BlockIndex
+from kvevents.consumers.index import BlockIndex, LookupPlan, SpecGroup
 from kvevents.consumers.router.match import Match
-from kvevents.consumers.router.walk import Plan, SpecGroup
 from kvevents.request import RequestKey
 
 __all__ = ["WorkerLookup"]
@@ -147,7 +145,7 @@ class WorkerLookup:
 
     tail = 0
 
-    def match(self, plan: Plan) -> Match:
+    def match(self, plan: LookupPlan) -> Match:
         self.lookahead = plan.lookahead
         gpu = self.gpu_hit(plan)
         if not plan.bpc:
@@ -158,7 +156,7 @@ class WorkerLookup:
 
     # GPU: KVCacheManager.get_computed_blocks and the coordinators' find_longest_cache_hit
 
-    def gpu_hit(self, plan: Plan) -> int:
+    def gpu_hit(self, plan: LookupPlan) -> int:
         cap = self.n - 1  # the last prompt token is always recomputed
         groups = plan.spec_groups
         if plan.unitary:
@@ -225,7 +223,7 @@ class WorkerLookup:
 
     # CPU / STORAGE: the offload connector's _lookup_complete_chunks
 
-    def chunk_hit(self, plan: Plan, base: int, tier: int) -> int:
+    def chunk_hit(self, plan: LookupPlan, base: int, tier: int) -> int:
         """Tokens ``tier`` adds after ``base``: a running bound tightened group by group
         in the offload lookup order; nothing as soon as less than one chunk remains.
         When a group lowers the bound after a windowed group of the same pass, the

@@ -39,11 +39,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvevents.consumers.content import prompt_keys, request_keys
-from kvevents.consumers.index import BlockIndex, WorkerId
+from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.lookup import WorkerLookup
 from kvevents.consumers.router.match import Candidate, Match
 from kvevents.consumers.router.scoring import TierWeights, cheapest, monotone, rank
-from kvevents.consumers.router.walk import Layout, full_prefix, simple_matches
+from kvevents.consumers.router.walk import full_prefix, simple_matches
 from kvevents.errors import ConfigError
 from kvevents.request import MMFeature, PromptEmbeds, RequestKey
 
@@ -68,7 +68,7 @@ class Router:
         self.index = index
         self.weights = weights if weights is not None else TierWeights()
         self.load_weight = load_weight
-        self._workers_cache: tuple[Layout, int, list[WorkerId], set[WorkerId]] | None = None
+        self._workers_cache: tuple[IndexLayout, int, list[WorkerId], set[WorkerId]] | None = None
 
     # ---------------------------------------------------------------- matching
 

@@ -15,9 +15,8 @@ of the router:
   every other worker, which :class:`~kvevents.consumers.router.lookup.WorkerLookup`
   then judges one worker at a time by vLLM's hybrid rules.
 
-May import: :mod:`kvevents.consumers.index` (the layout the walk reads; this is the only
-module of the router that names the index's layout types) and
-:mod:`kvevents.consumers.router.match`.
+May import: :mod:`kvevents.consumers.index` (the layout the walk reads,
+:class:`~kvevents.consumers.index.IndexLayout`) and :mod:`kvevents.consumers.router.match`.
 """
 
 from __future__ import annotations
@@ -27,16 +26,10 @@ from functools import lru_cache
 from itertools import chain, compress, repeat
 from operator import sub
 
-from kvevents.consumers.index import BlockIndex, WorkerId, _Layout, _Plan, _SpecGroup
+from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.match import Match
 
-# The index's layout types, under the names the router's rooms use (the one place the
-# router names them).
-Layout = _Layout
-Plan = _Plan
-SpecGroup = _SpecGroup
-
-__all__ = ["Layout", "Plan", "SpecGroup", "assemble", "full_prefix", "simple_matches", "walk"]
+__all__ = ["assemble", "full_prefix", "simple_matches", "walk"]
 
 _NO_JOIN = (0, 0)
 _EMPTY: Mapping[int, int] = {}
@@ -155,7 +148,7 @@ def walk(
 
 
 def simple_matches(
-    keys: list[int], n: int, lay: Layout, index: BlockIndex
+    keys: list[int], n: int, lay: IndexLayout, index: BlockIndex
 ) -> dict[WorkerId, Match]:
     """Matches of the workers with one full-attention group and no speculative mode.
 
@@ -231,7 +224,7 @@ def _pos_bits(top: int) -> tuple[int, ...]:
     return (0, *(1 << s for s in range(top)))
 
 
-def full_prefix(keys: list[int], n: int, lay: Layout, index: BlockIndex) -> list[int]:
+def full_prefix(keys: list[int], n: int, lay: IndexLayout, index: BlockIndex) -> list[int]:
     """GPU prefix of every full-attention slot of the workers :func:`simple_matches` does
     not serve (those without lookahead), in tokens held from token 0 and capped at the
     last whole block before token ``n − 1``; indexed by slot + 1, zero when none."""
@@ -250,7 +243,7 @@ _tuple_new = tuple.__new__
 
 
 def assemble(
-    lay: Layout,
+    lay: IndexLayout,
     gpu_end: list[int],
     cpu_end: list[int] | None,
     storage_end: list[int] | None,

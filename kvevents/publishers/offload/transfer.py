@@ -22,16 +22,16 @@ order and report their device time.
 
 :class:`CPUTransferWorker` reports completion through
 :meth:`CPUTransferWorker.get_finished`; :class:`OffloadTransferDriver` turns those
-reports into ``complete_store`` / ``complete_load`` calls on the manager.
+reports into ``complete_store`` / ``complete_load`` calls on the manager (it lives in
+the torch-free :mod:`~kvevents.publishers.offload.driver` and is re-exported here).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +51,9 @@ except ImportError as _exc:
 from kvevents.publishers.offload.base import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
-    OffloadingManager,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
     TransferResult,
 )
+from kvevents.publishers.offload.driver import OffloadTransferDriver
 
 __all__ = [
     "CPUTransferWorker",
@@ -432,100 +429,3 @@ class CPUTransferWorker:
     def num_pending(self) -> int:
         """Jobs submitted and not yet returned by :meth:`get_finished`."""
         return len(self._jobs)
-
-
-class OffloadTransferDriver:
-    """Drives a manager with a transfer worker: prepare → submit → finish → complete.
-
-    ``device_blocks`` maps each key to the ``blocks_per_chunk`` device block ids of its
-    chunk (for a store: where the data is; for a load: where it goes).
-    """
-
-    def __init__(self, manager: OffloadingManager, worker: CPUTransferWorker) -> None:
-        self.manager = manager
-        self.worker = worker
-        self._ids = itertools.count()
-        self._pending: dict[int, tuple[bool, list[OffloadKey], ReqContext | None]] = {}
-
-    def _blocks(
-        self, keys: Sequence[OffloadKey], device_blocks: Mapping[OffloadKey, Sequence[int]]
-    ) -> list[int]:
-        out: list[int] = []
-        for key in keys:
-            try:
-                out.extend(int(b) for b in device_blocks[key])
-            except KeyError:
-                raise OffloadError(f"no device blocks given for key {key!r}") from None
-        return out
-
-    def store(
-        self,
-        keys: Sequence[OffloadKey],
-        device_blocks: Mapping[OffloadKey, Sequence[int]],
-        ctx: ReqContext | None = None,
-    ) -> PrepareStoreOutput | None:
-        """``prepare_store`` then submit the copy of the keys it chose; ``None`` if refused.
-
-        If the copy cannot be submitted the store is completed as failed and the error
-        re-raised, so the manager is left consistent.
-        """
-        out = self.manager.prepare_store(keys, ctx)
-        if out is None or not out.keys_to_store:
-            return out
-        if not isinstance(out.store_spec, CPULoadStoreSpec):
-            raise OffloadError("the manager's store spec is not a CPU chunk spec")
-        job_id = next(self._ids)
-        try:
-            self.worker.submit_store(
-                job_id, self._blocks(out.keys_to_store, device_blocks), out.store_spec
-            )
-        except Exception:
-            self.manager.complete_store(out.keys_to_store, ctx, success=False)
-            raise
-        self._pending[job_id] = (True, list(out.keys_to_store), ctx)
-        return out
-
-    def load(
-        self,
-        keys: Sequence[OffloadKey],
-        device_blocks: Mapping[OffloadKey, Sequence[int]],
-        ctx: ReqContext | None = None,
-    ) -> int:
-        """``prepare_load`` (pins) then submit the copy; returns the job id."""
-        blocks = self._blocks(keys, device_blocks)
-        spec = self.manager.prepare_load(keys, ctx)
-        if not isinstance(spec, CPULoadStoreSpec):
-            self.manager.complete_load(keys, ctx)
-            raise OffloadError("the manager's load spec is not a CPU chunk spec")
-        job_id = next(self._ids)
-        try:
-            self.worker.submit_load(job_id, spec, blocks)
-        except Exception:
-            self.manager.complete_load(keys, ctx)
-            raise
-        self._pending[job_id] = (False, list(keys), ctx)
-        return job_id
-
-    def poll(self) -> list[TransferResult]:
-        """Report finished jobs to the manager; returns their results."""
-        results = self.worker.get_finished()
-        for result in results:
-            entry = self._pending.pop(result.job_id, None)
-            if entry is None:
-                continue
-            is_store, keys, ctx = entry
-            if is_store:
-                self.manager.complete_store(keys, ctx, success=result.success)
-            else:
-                self.manager.complete_load(keys, ctx)
-        return results
-
-    def flush(self) -> list[TransferResult]:
-        """Wait for every submitted job, then :meth:`poll`."""
-        self.worker.wait()
-        return self.poll()
-
-    @property
-    def num_pending(self) -> int:
-        """Jobs submitted whose completion has not reached the manager yet."""
-        return len(self._pending)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
+from kvevents.errors import ConfigError
 from kvevents.publishers.offload.base import OffloadKey, ReqContext
 
 __all__ = ["CachePolicy", "ChunkStatus", "order_request_keys"]
@@ -72,8 +73,10 @@ class CachePolicy(ABC):
     """Recency bookkeeping and victim choice over ``capacity`` chunk slots."""
 
     def __init__(self, capacity: int) -> None:
+        """``capacity``: chunk slots (>= 0; else :class:`~kvevents.errors.ConfigError`,
+        a ``ValueError``)."""
         if capacity < 0:
-            raise ValueError("capacity must be >= 0")
+            raise ConfigError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
 
     # --- membership ---------------------------------------------------------------------

@@ -1,0 +1,357 @@
+"""The memory cap: which resident entry goes when more than ``max_blocks`` are resident.
+
+One job: count resident (worker, group, hash) entries and evict beyond the cap, oldest
+first, leaves before their parents, in an order decided by the event stream alone (see
+:meth:`Eviction.evict`).  Its bookkeeping (resident children per parent in
+``GroupState.kids``, the eviction queue) starts once more than half the cap is first
+resident (:attr:`Eviction.tracking`), so an index far from its cap pays nothing for it.
+The feeding code reports every entry that becomes or stops being resident here
+(:meth:`Eviction.enter`, :meth:`Eviction.add_child`, :meth:`Eviction.unkid`,
+:meth:`Eviction.queue_store`).  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stats`
+and :mod:`.workers`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice, repeat
+from typing import Any
+
+from kvevents.consumers.index.marks import TierMarks, unmark
+from kvevents.consumers.index.records import (
+    CK_MASK,
+    GPU_ONE,
+    HAS_CK,
+    PARENT_MASK,
+    PARENT_SHIFT,
+    Hash,
+    Record,
+    content_key,
+    gpu_refs,
+    parent_of,
+)
+from kvevents.consumers.index.stats import IndexStats
+from kvevents.consumers.index.workers import GroupState, WorkerTable
+
+__all__ = ["Eviction"]
+
+
+class Eviction:
+    """Resident entry count, eviction order and eviction under ``max_blocks``.
+
+    Public state (read and updated by the feeding code's fast paths):
+
+    * ``resident``: resident entries (``len(index)``);
+    * ``watch``: when ``resident`` exceeds it, call :meth:`watch_hit` (half the cap until
+      tracking starts, then the cap);
+    * ``tracking``: the eviction bookkeeping is on;
+    * ``storing``: a GPU store is being applied (its blocks are queued at its end).
+    """
+
+    __slots__ = (
+        "marks",
+        "max_blocks",
+        "qgroups",
+        "qhashes",
+        "qhead",
+        "qlimit",
+        "ready",
+        "resident",
+        "stats",
+        "storing",
+        "table",
+        "tracking",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        max_blocks: int,
+        table: WorkerTable,
+        marks: tuple[TierMarks, TierMarks, TierMarks],
+        stats: IndexStats,
+    ) -> None:
+        self.max_blocks = max_blocks
+        self.table = table
+        self.marks = marks
+        self.stats = stats
+        self.resident = 0
+        # The eviction queue: (group, hash) of each entry in the order it became resident
+        # (a GPU store's blocks leaf first), as two parallel lists read from qhead; stale
+        # items are skipped when reached.  ready: deferred entries whose last resident
+        # child went away (evicted before the queue).
+        self.qgroups: list[GroupState] = []
+        self.qhashes: list[Hash] = []
+        self.qhead = 0
+        self.qlimit = 1 << 16
+        self.ready: deque[tuple[GroupState, Hash]] = deque()
+        self.storing = False
+        self.tracking = False
+        self.watch = max_blocks // 2
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def enter(self, gs: GroupState, h: Hash, m: Record | None) -> None:
+        """(Tracking only.)  ``h`` became resident through a CPU/STORAGE store: one more
+        resident child for its parent, and its place in the eviction queue."""
+        if m is not None:
+            p = parent_of(m)
+            if p is not None:
+                gs.kids[p] = gs.kids.get(p, 0) + 1
+        self.qgroups.append(gs)
+        self.qhashes.append(h)
+        if len(self.qhashes) > self.qlimit:
+            self.compact()
+
+    def add_child(self, gs: GroupState, m: Record | None) -> None:
+        """(Tracking only.)  An entry with record ``m`` became resident through a GPU
+        store: one more resident child for its parent (the store queues it)."""
+        if m is not None:
+            p = parent_of(m)
+            if p is not None:
+                gs.kids[p] = gs.kids.get(p, 0) + 1
+
+    def queue_store(self, gs: GroupState, hashes: Any) -> None:
+        """Queue a GPU store's blocks for eviction, leaf first (they became resident
+        together, so each block goes before its parent), then enforce the cap (blocks
+        of an event being applied are not queued yet, so the cap is checked again)."""
+        self.storing = False
+        if self.tracking:
+            self.qhashes.extend(reversed(hashes))
+            self.qgroups.extend(repeat(gs, len(hashes)))
+            if len(self.qhashes) > self.qlimit:
+                self.compact()
+        if self.resident > self.watch:
+            self.watch_hit()
+
+    def watch_hit(self) -> None:
+        """More entries are resident than ``watch``: start the eviction bookkeeping
+        (first time: more than half the cap) and evict if over the cap."""
+        if not self.tracking:
+            self.start_tracking()
+        if self.resident > self.max_blocks:
+            self.evict()
+
+    def start_tracking(self) -> None:
+        """Build the children counts and the eviction queue from the index as it is (each
+        group's resident entries in record order, groups in slot order); from then on the
+        feeding code keeps them up to date."""
+        self.tracking = True
+        self.watch = self.max_blocks
+        qg, qh = self.qgroups, self.qhashes
+        slots = self.table.slots
+        for slot in sorted(slots):
+            gs = slots[slot][1]
+            kids = gs.kids
+            r1, r2 = gs.refs[1], gs.refs[2]
+            for h, m in gs.meta.items():
+                if gpu_refs(m) > 0 or h in r1 or h in r2:
+                    p = parent_of(m)
+                    if p is not None:
+                        kids[p] = kids.get(p, 0) + 1
+                    qg.append(gs)
+                    qh.append(h)
+            for h in [*r1, *(h for h in r2 if h not in r1)]:
+                if h not in gs.meta:  # (held on CPU/STORAGE without a record)
+                    qg.append(gs)
+                    qh.append(h)
+        self.qlimit = max(1 << 16, 4 * len(qh))
+
+    def unkid(self, gs: GroupState, p: Hash) -> None:
+        """A resident entry whose parent is ``p`` stopped being resident."""
+        kids = gs.kids
+        c = kids.pop(p, None)  # (one lookup for the usual count of 1)
+        if c is None:
+            return
+        if c > 1:
+            kids[p] = c - 1
+        elif p in gs.deferred:
+            self.ready.append((gs, p))
+
+    def reparent(self, gs: GroupState, h: Hash, old: Record, new: Record) -> None:
+        """``h``'s record is replaced (an orphan healed): if it is resident, it is now a
+        child of the new record's parent."""
+        if not self.tracking:
+            return
+        po, pn = parent_of(old), parent_of(new)
+        if po != pn and gs.held(h):
+            if po is not None:
+                self.unkid(gs, po)
+            if pn is not None:
+                gs.kids[pn] = gs.kids.get(pn, 0) + 1
+
+    def clear_group(self, gs: GroupState, resident: int) -> None:
+        """``resident`` entries of ``gs`` stopped being resident at once (a clear or a
+        reset): nothing of the group is resident any more."""
+        self.resident -= resident
+        gs.kids.clear()
+        gs.deferred.clear()
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self) -> None:
+        """Evict resident entries until at most ``max_blocks - max_blocks // 100`` remain
+        (at least one below the cap, so that eviction runs in batches).
+
+        Only resident entries are evicted (the entry, its metadata record and its tier
+        refcounts go; counted in ``stats.evicted_by_cap``), and the order is a function of
+        the event stream alone (never of queries, wall time or dict order of queries), so
+        two indexes fed the same events evict the same entries:
+
+        1. entries passed over earlier because they had resident children (see 2), as
+           soon as their last resident child is gone: they are the oldest;
+        2. the eviction queue: entries in the order they became resident (the blocks of
+           one GPU store leaf first); an entry that still has resident children in its
+           group (entries naming it as parent) is passed over (deferred) instead, so
+           leaves go before their parents and a shared prefix outlives every chat built
+           on it;
+        3. if 1 and 2 have nothing left (a parent cycle, say), deferred entries in the
+           order they were deferred, children or not: the cap always holds.  While a GPU
+           store is being applied its blocks are not queued yet, so this step waits for
+           the end of the event (the cap holds again once the event is applied).
+        """
+        goal = self.max_blocks - max(1, self.max_blocks // 100) + 1
+        ready = self.ready
+        qg, qh = self.qgroups, self.qhashes
+        slots = self.table.slots
+        head = self.qhead
+        end = len(qh)
+        try:
+            while self.resident > goal:
+                if ready:
+                    gs, h = ready.popleft()
+                    if h not in gs.deferred or gs.kids.get(h) or not self.table.live(gs):
+                        continue
+                    if not gs.held(h):
+                        del gs.deferred[h]
+                        continue
+                    self.drop(gs, h, gs.meta.get(h))
+                    continue
+                if head < end:
+                    gs = qg[head]
+                    h = qh[head]
+                    head += 1
+                    t = slots.get(gs.slot)
+                    if t is None or t[1] is not gs:
+                        continue  # a removed worker's
+                    m = gs.meta.get(h)
+                    if type(m) is int:
+                        if m < GPU_ONE and h not in gs.refs[1] and h not in gs.refs[2]:
+                            continue  # not resident any more
+                    elif not gs.held(h):
+                        continue
+                    if gs.kids and h in gs.kids:
+                        gs.deferred[h] = None
+                        continue
+                    if gs.deferred and h in gs.deferred:
+                        continue
+                    self.drop(gs, h, m)
+                    continue
+                if self.storing or not self._evict_deferred(goal):
+                    break
+        finally:
+            self.qhead = head
+            if head > 4096 and 2 * head > len(qh):
+                del qg[:head]
+                del qh[:head]
+                self.qhead = 0
+
+    def _evict_deferred(self, goal: int) -> bool:
+        """Step 3 of :meth:`evict`; False if there was nothing to evict."""
+        evicted = False
+        slots = self.table.slots
+        for slot in sorted(slots):
+            _, gs = slots[slot]
+            for h in list(gs.deferred):
+                if self.resident <= goal:
+                    return True
+                del gs.deferred[h]
+                if gs.held(h):
+                    self.drop(gs, h, gs.meta.get(h))
+                    evicted = True
+        return evicted
+
+    def drop(self, gs: GroupState, h: Hash, m: Record | None) -> None:
+        """Evict the resident entry ``h`` of ``gs`` (``m`` is its record) whole."""
+        p: Hash | None
+        if type(m) is int:
+            del gs.meta[h]
+            ck = m & CK_MASK if m & HAS_CK else None
+            on_gpu = m >= GPU_ONE
+            pf = (m >> PARENT_SHIFT) & PARENT_MASK
+            p = pf - 1 if pf else None
+        elif m is not None:
+            del gs.meta[h]
+            ck, on_gpu, p = content_key(m), gpu_refs(m) > 0, parent_of(m)
+        else:
+            ck, on_gpu, p = None, False, None
+        bit = gs.bit
+        r = gs.refs
+        if ck is not None:
+            if on_gpu:
+                unmark(self.marks[0], ck, bit)
+            if r[1] and r[1].pop(h, None) is not None:
+                unmark(self.marks[1], ck, bit)
+            if r[2] and r[2].pop(h, None) is not None:
+                unmark(self.marks[2], ck, bit)
+        else:
+            r[1].pop(h, None)
+            r[2].pop(h, None)
+        if gs.deferred:
+            gs.deferred.pop(h, None)
+        self.resident -= 1
+        self.stats.evicted_by_cap += 1
+        if p is not None:
+            kids = gs.kids
+            c = kids.pop(p, None)
+            if c is not None:
+                if c > 1:
+                    kids[p] = c - 1
+                elif p in gs.deferred:
+                    self.ready.append((gs, p))
+
+    def compact(self) -> None:
+        """Rewrite the eviction queue without the items it would skip (entries no longer
+        resident, deferred or of removed workers) and without repeats (an entry keeps its
+        first place), so that it stays proportional to the resident entries.
+
+        Each item the queue ever holds is looked at here or by :meth:`evict` about once
+        (most entries leave by their removal events, long before the queue reaches them),
+        so this loop is kept to a few dict lookups per item."""
+        seen: dict[int, set[Hash]] = {}  # by slot: hashes already kept
+        ng: list[GroupState] = []
+        nh: list[Hash] = []
+        slots = self.table.slots
+        last: GroupState | None = None
+        ok = False
+        kept: set[Hash] = set()
+        meta: dict[Hash, Record] = {}
+        r1: dict[Hash, int] = {}
+        r2: dict[Hash, int] = {}
+        deferred: dict[Hash, None] = {}
+        head = self.qhead
+        g_append, h_append = ng.append, nh.append
+        meta_get = meta.get
+        for gs, h in zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None)):
+            if gs is not last:  # runs of one group are the common case
+                last = gs
+                t = slots.get(gs.slot)
+                ok = t is not None and t[1] is gs
+                meta, r1, r2, deferred = gs.meta, gs.refs[1], gs.refs[2], gs.deferred
+                meta_get = meta.get
+                kept = seen.setdefault(gs.slot, set())
+            if not ok:
+                continue
+            m = meta_get(h)
+            if m is None or type(m) is int:
+                if (m is None or m < GPU_ONE) and h not in r1 and h not in r2:
+                    continue  # not resident any more
+            elif not (gpu_refs(m) > 0 or h in r1 or h in r2):
+                continue
+            if h in kept or h in deferred:
+                continue
+            kept.add(h)
+            g_append(gs)
+            h_append(h)
+        self.qgroups, self.qhashes, self.qhead = ng, nh, 0
+        self.qlimit = max(1 << 16, 4 * len(nh))

@@ -1,0 +1,153 @@
+"""The GPU/CPU join's memory: the pending table and the retention of GPU-removed metadata.
+
+One job: keep, bounded, what a late join needs.  A CPU/STORAGE placeholder whose GPU
+store has not arrived waits in the :class:`PendingTable` (at most ``max_pending``
+entries; one pushed out, cleared or removed before it joins is counted as unjoined); a
+metadata record no tier holds any more is kept by :class:`Retention` (at most
+``limit``; the oldest go first) for a CPU store arriving after the GPU removal and as the
+parent of later stores.  Imports :mod:`.records`, :mod:`.stats` and :mod:`.workers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from kvevents.consumers.index.records import GPU_ONE, Hash, gpu_refs
+from kvevents.consumers.index.stats import IndexStats
+from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerTable
+
+__all__ = ["EntryKey", "PendingTable", "Retention"]
+
+logger = logging.getLogger("kvevents.consumers.index")
+
+EntryKey = tuple[WorkerId, int, Hash]
+"""One (worker, group, hash) entry."""
+
+
+class PendingTable:
+    """Placeholder chunks waiting for their GPU store, oldest first.
+
+    ``entries`` maps (worker, group, hash) to ``[0, CPU count, STORAGE count]``;
+    ``per_worker`` counts each worker's entries (a worker without any is absent, so the
+    feeding code skips the table for it at the cost of one dict lookup).
+    """
+
+    __slots__ = ("entries", "max_pending", "per_worker", "stats")
+
+    def __init__(self, max_pending: int, stats: IndexStats) -> None:
+        self.max_pending = max_pending
+        self.stats = stats
+        self.entries: OrderedDict[EntryKey, list[int]] = OrderedDict()
+        self.per_worker: dict[WorkerId, int] = {}
+
+    def add(self, wid: WorkerId, group: int, h: Hash, tier: int) -> None:
+        """One more placeholder of ``h`` on ``tier`` waits (the oldest beyond
+        ``max_pending`` are dropped, counted as ``unjoined["pending_overflow"]``)."""
+        self.stats.pending += 1
+        key = (wid, group, h)
+        entries = self.entries
+        p = entries.get(key)
+        if p is None:
+            p = entries[key] = [0, 0, 0]
+            self.per_worker[wid] = self.per_worker.get(wid, 0) + 1
+        p[tier] += 1
+        while len(entries) > self.max_pending:
+            (owid, _, _), old = entries.popitem(last=False)
+            self._left(owid)
+            if not self.stats.unjoined["pending_overflow"]:
+                logger.warning(
+                    "block index: more than %d CPU/STORAGE stores wait for their GPU store; "
+                    "dropping the oldest (counted as unjoined[pending_overflow])",
+                    self.max_pending,
+                )
+            self.stats.unjoined["pending_overflow"] += old[1] + old[2]
+
+    def take(self, wid: WorkerId, group: int, h: Hash) -> list[int] | None:
+        """The waiting counts of ``h`` (``[0, CPU, STORAGE]``), taken out of the table;
+        None if nothing waits for it."""
+        p = self.entries.pop((wid, group, h), None)
+        if p is not None:
+            self._left(wid)
+        return p
+
+    def remove_one(self, wid: WorkerId, group: int, h: Hash, tier: int) -> bool:
+        """A removal of ``h`` on ``tier`` cancels one waiting placeholder (counted as
+        ``unjoined["removed_while_pending"]``); False if none waited."""
+        key = (wid, group, h)
+        p = self.entries.get(key)
+        if p is None or p[tier] <= 0:
+            return False
+        p[tier] -= 1
+        self.stats.unjoined["removed_while_pending"] += 1
+        if not (p[1] or p[2]):
+            del self.entries[key]
+            self._left(wid)
+        return True
+
+    def drop_worker(self, wid: WorkerId) -> None:
+        """Forget every placeholder of ``wid`` (``unjoined["cleared_while_pending"]``)."""
+        if self.per_worker.pop(wid, 0):
+            dropped = [k for k in self.entries if k[0] == wid]
+            for k in dropped:
+                counts = self.entries.pop(k)
+                self.stats.unjoined["cleared_while_pending"] += counts[1] + counts[2]
+
+    def _left(self, wid: WorkerId) -> None:
+        """One entry of ``wid`` left the table."""
+        n = self.per_worker.get(wid, 0) - 1
+        if n > 0:
+            self.per_worker[wid] = n
+        else:
+            self.per_worker.pop(wid, None)
+
+
+class Retention:
+    """Metadata records no tier holds, oldest first, at most ``limit`` of them.
+
+    ``records`` is keyed by (worker, group, hash); an entry that becomes resident again
+    leaves it (:meth:`forget`), one dropped beyond ``limit`` loses its record (counted in
+    ``stats.metadata_evicted``).  ``table`` is the index's worker table, to find the records.
+    """
+
+    __slots__ = ("limit", "records", "stats", "table")
+
+    def __init__(self, limit: int, table: WorkerTable, stats: IndexStats) -> None:
+        self.limit = limit
+        self.table = table
+        self.stats = stats
+        self.records: OrderedDict[EntryKey, None] = OrderedDict()
+
+    def retire(self, wid: WorkerId, gs: GroupState, h: Hash) -> None:
+        """``h`` of ``gs`` is no longer held by any tier: keep its record, bounded."""
+        self.records[(wid, gs.group, h)] = None
+        if len(self.records) > self.limit:
+            self.trim()
+
+    def forget(self, wid: WorkerId, group: int, h: Hash) -> None:
+        """``h`` is held again (or gone): it is no longer a retained record."""
+        self.records.pop((wid, group, h), None)
+
+    def trim(self) -> None:
+        """Drop the oldest retained records until at most ``limit`` remain (a record some
+        tier holds again is left alone: it only loses its retained place)."""
+        retired = self.records
+        while len(retired) > self.limit:
+            (owid, ogroup, oh), _ = retired.popitem(last=False)
+            ow = self.table.workers.get(owid)
+            ogs = ow.groups.get(ogroup) if ow is not None else None
+            if ogs is None:
+                continue
+            m = ogs.meta.get(oh)
+            if m is None:
+                continue
+            if type(m) is int:
+                if m >= GPU_ONE:
+                    continue
+            elif gpu_refs(m) > 0:
+                continue
+            r = ogs.refs
+            if oh in r[1] or oh in r[2]:
+                continue
+            del ogs.meta[oh]
+            self.stats.metadata_evicted += 1

@@ -1,0 +1,193 @@
+"""Metadata records: how the index stores what it knows about one engine block.
+
+One job: the encoding of a block's metadata record (content key, end position, block
+size, parent hash, GPU refcount, and the rare wide fields) and the functions that read
+it.  The feeding code's fast paths read packed records with the constants below instead
+of calling the functions; both use this one definition of the layout, so a field moves
+here and nowhere else.  Imports nothing from the index.
+
+A record is, for memory, usually one packed int (about 52 bytes):
+
+* bits 0-63: the content key (unsigned, :data:`CK_MASK`), bit 64: "has a content key"
+  (:data:`HAS_CK`);
+* bits 65-84: end position in blocks + 1 (0: unknown; :data:`END_SHIFT`);
+* bits 85-104: block size in tokens (:data:`SIZE_SHIFT`);
+* bits 105-169: parent hash + 1 (0: none; :data:`PARENT_SHIFT`, :data:`PARENT_MASK`);
+* bits 170 and up: the GPU refcount (:data:`GPU_SHIFT`; one reference is
+  :data:`GPU_ONE`).
+
+Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
+out of range are a tuple ``(ck, end_blocks, parent, size, lora, extra, tokens, gpu
+refs)`` (indices :data:`F_CK` ... :data:`F_GPU`), plus a ninth field :data:`F_CHAIN`,
+the chain key children build on, when it differs from ``ck`` (the mark key of a block
+hashed with lookahead tokens).  Keeping the GPU refcount in the record saves a dict slot
+per GPU block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+__all__ = [
+    "CK_MASK",
+    "END_SHIFT",
+    "FIELD_MASK",
+    "F_CHAIN",
+    "F_CK",
+    "F_END",
+    "F_EXTRA",
+    "F_GPU",
+    "F_LORA",
+    "F_PARENT",
+    "F_SIZE",
+    "F_TOKENS",
+    "GPU_ONE",
+    "GPU_SHIFT",
+    "GPU_TWO",
+    "HAS_CK",
+    "PARENT_MASK",
+    "PARENT_SHIFT",
+    "SIZE_SHIFT",
+    "Hash",
+    "Record",
+    "add_gpu",
+    "block_size",
+    "chain_key",
+    "content_key",
+    "end_tokens",
+    "gpu_refs",
+    "pack",
+    "parent_of",
+    "tuple_field",
+    "unkeyed",
+]
+
+Hash = Union[int, bytes]
+"""An engine block hash as the wire carries it (int, or bytes from vLLM <= 0.23)."""
+
+Record = Union[int, tuple[Any, ...]]
+"""A metadata record: a packed int or, for the rare wide records, a tuple."""
+
+F_CK, F_END, F_PARENT, F_SIZE, F_LORA, F_EXTRA, F_TOKENS, F_GPU, F_CHAIN = range(9)
+"""Field indices of a tuple record."""
+CK_MASK = (1 << 64) - 1
+"""Mask of the content key bits (the key itself: content keys are unsigned 64-bit)."""
+HAS_CK = 1 << 64
+"""Set when the record has a content key."""
+FIELD_MASK = (1 << 20) - 1
+"""Mask of the 20-bit end and size fields (after shifting)."""
+END_SHIFT = 65
+"""Shift of the end field: end position in blocks + 1 (0: unknown)."""
+SIZE_SHIFT = 85
+"""Shift of the block size field (tokens)."""
+PARENT_SHIFT = 105
+"""Shift of the parent field: parent hash + 1 (0: none)."""
+PARENT_MASK = (1 << 65) - 1
+"""Mask of the parent field (after shifting)."""
+GPU_SHIFT = 170
+"""Shift of the GPU refcount (the top bits: a packed record >= GPU_ONE is held on GPU)."""
+GPU_ONE = 1 << GPU_SHIFT
+"""One GPU reference, to add to or subtract from a packed record."""
+GPU_TWO = 2 << GPU_SHIFT
+"""Two GPU references: a packed record >= GPU_TWO stays held after one removal."""
+
+
+def pack(
+    ck: int | None,
+    end_blocks: int | None,
+    parent: Hash | None,
+    size: int,
+    lora: str | None = None,
+    extra: Any = None,
+    tokens: tuple[int, ...] | None = None,
+    chain: int | None = None,
+) -> Record:
+    """A record with a GPU refcount of 0: packed when every field fits, else a tuple."""
+    if chain is not None and chain != ck:
+        return (ck, end_blocks, parent, size, lora, extra, tokens, 0, chain)
+    if (
+        lora is None
+        and extra is None
+        and tokens is None
+        and (parent is None or (type(parent) is int and 0 <= parent <= CK_MASK))
+        and (end_blocks is None or end_blocks < FIELD_MASK)
+        and 0 < size <= FIELD_MASK
+    ):
+        v = size << SIZE_SHIFT
+        if ck is not None:
+            v |= ck | HAS_CK
+        if end_blocks is not None:
+            v |= (end_blocks + 1) << END_SHIFT
+        if parent is not None:
+            v |= (parent + 1) << PARENT_SHIFT
+        return v
+    return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
+
+
+def gpu_refs(m: Record) -> int:
+    """The record's GPU refcount."""
+    if isinstance(m, int):
+        return m >> GPU_SHIFT
+    count: int = m[F_GPU]
+    return count
+
+
+def add_gpu(m: Record, delta: int) -> Record:
+    """The record with its GPU refcount changed by ``delta``."""
+    if isinstance(m, int):
+        return m + delta * GPU_ONE
+    return (*m[:F_GPU], m[F_GPU] + delta, *m[F_CHAIN:])
+
+
+def content_key(m: Record) -> int | None:
+    """The record's content key (the key its marks use), or None."""
+    if isinstance(m, int):
+        return m & CK_MASK if m & HAS_CK else None
+    ck: int | None = m[F_CK]
+    return ck
+
+
+def chain_key(m: Record) -> int | None:
+    """The key children of this block chain on (its content key unless it has lookahead)."""
+    if isinstance(m, int):
+        return m & CK_MASK if m & HAS_CK else None
+    ck: int | None = m[F_CHAIN] if len(m) > F_CHAIN else m[F_CK]
+    return ck
+
+
+def unkeyed(m: Record) -> Record:
+    """The record without its content key (a partial tail is never matched)."""
+    if isinstance(m, int):
+        return m & ~(CK_MASK | HAS_CK)
+    return (None, *m[1:F_CHAIN])
+
+
+def block_size(m: Record) -> int:
+    """Tokens in the block."""
+    if isinstance(m, int):
+        return (m >> SIZE_SHIFT) & FIELD_MASK
+    size: int = m[F_SIZE]
+    return size
+
+
+def end_tokens(m: Record) -> int | None:
+    """One past the block's last token position, or None when unknown."""
+    if isinstance(m, int):
+        e = (m >> END_SHIFT) & FIELD_MASK
+        return (e - 1) * ((m >> SIZE_SHIFT) & FIELD_MASK) if e else None
+    end: int | None = m[F_END]
+    return None if end is None else end * int(m[F_SIZE])
+
+
+def parent_of(m: Record) -> Hash | None:
+    """The parent block's hash, or None (a root, or unknown)."""
+    if isinstance(m, int):
+        p = (m >> PARENT_SHIFT) & PARENT_MASK
+        return p - 1 if p else None
+    parent: Hash | None = m[F_PARENT]
+    return parent
+
+
+def tuple_field(m: Record, i: int) -> Any:
+    """Field ``i`` of a tuple record (LoRA name, extra keys, tokens); None when packed."""
+    return None if isinstance(m, int) else m[i]

@@ -1,0 +1,275 @@
+"""The publisher's sender thread: encodes and sends live batches, drives replay, flushes.
+
+One job: the loop of the one daemon thread (``"kvevents-zmq-publisher"``) that owns a
+publisher's sockets.  Each round sends a burst of up to ``live_burst`` queued batches,
+then takes new replay requests and sends one replay slice
+(:class:`~kvevents.publishers.replay_service.ReplayService`).  On stop it counts what is
+still queued as dropped, waits (within the shutdown budget) for ZeroMQ to confirm the
+last batch written (:class:`~kvevents.publishers.delivery.DeliveryMarks`), and closes the
+sockets.  Imports the codec, the stats, the replay service, the delivery marks and the
+sockets; the facade (:mod:`~kvevents.publishers.zmq_publisher`) imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from kvevents.codec import encode_batch, pack_live, pack_seq
+from kvevents.errors import EncodeError
+from kvevents.events import EventBatch
+from kvevents.publishers.delivery import DeliveryMarks
+from kvevents.publishers.publisher_stats import PublisherStats, count_drop
+from kvevents.publishers.replay_service import ReplayService
+from kvevents.publishers.zmq_sockets import PublisherSockets
+from kvevents.ratelimit import RateLimitedLog
+
+__all__ = ["STOP", "SenderThread"]
+
+# The publisher's one logger, whichever room writes.
+logger = logging.getLogger("kvevents.publishers.zmq_publisher")
+
+STOP: Any = object()
+"""The queue item :meth:`SenderThread.request_stop` puts after the last batch."""
+
+
+class SenderThread:
+    """The sender loop over ``batches`` (a queue of ``(seq, batch)`` and :data:`STOP`).
+
+    ``lock`` guards the drop counters of ``stats`` (shared with ``publish()`` callers).
+    ``buffer`` is the replay ring the loop appends ``(seq, payload)`` to; ``replay`` the
+    replay service (``None`` without a replay endpoint).  ``live_burst`` (batches) bounds
+    one burst; ``idle_poll_s`` (seconds) how long an idle loop waits for a batch before
+    looking at the replay socket.  :meth:`start` starts the thread;
+    :meth:`request_stop` asks it to flush and stop within a budget.
+    """
+
+    def __init__(
+        self,
+        *,
+        sockets: PublisherSockets,
+        batches: queue.Queue[Any],
+        lock: threading.Lock,
+        stats: PublisherStats,
+        buffer: deque[tuple[int, bytes]],
+        marks: DeliveryMarks,
+        replay: ReplayService | None,
+        topic_frame: bytes,
+        live_burst: int,
+        idle_poll_s: float,
+        error_log: RateLimitedLog,
+    ) -> None:
+        self.sockets = sockets
+        self.batches = batches
+        self.lock = lock
+        self.stats = stats
+        self.buffer = buffer
+        self.marks = marks
+        self.replay = replay
+        self.topic_frame = topic_frame
+        self.live_burst = live_burst
+        self.idle_poll_s = idle_poll_s
+        self.error_log = error_log
+        self.closing = threading.Event()
+        """Set by :meth:`request_stop`: flush, then stop."""
+        self.deadline = 0.0
+        """``time.monotonic()`` by which the thread must have closed its sockets."""
+        self.budget_s = 0.0
+        """The shutdown budget the deadline was set from (seconds)."""
+        # A way to stall the loop deterministically (tests, benchmarks).
+        self._pause_requested = False
+        self._paused = threading.Event()
+        self._resume = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kvevents-zmq-publisher", daemon=True)
+
+    # --- control (caller threads) -------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread."""
+        self.thread.start()
+
+    def request_stop(self, budget_s: float) -> None:
+        """Ask the loop to send what is queued and close within ``budget_s`` seconds."""
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s
+        self.closing.set()
+        # On a full queue the thread sees ``closing`` within idle_poll_s instead.
+        try:
+            self.batches.put_nowait(STOP)
+        except queue.Full:
+            pass
+
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """Stall the loop at the top of its next round; wait until it is stalled.
+
+        Raises ``TimeoutError`` if it does not stall within ``timeout_s``.
+        """
+        self._resume.clear()
+        self._paused.clear()
+        self._pause_requested = True
+        if not self._paused.wait(timeout_s):
+            raise TimeoutError("the publisher thread did not pause")
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._pause_requested = False
+        self._resume.set()
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The thread's body: rounds until stopped, then count, flush and close."""
+        flushed = False
+        try:
+            while True:
+                if self._pause_requested:
+                    self._paused.set()
+                    self._resume.wait()
+                try:
+                    stop = self.step()
+                except Exception:
+                    self.stats.internal_errors += 1
+                    logger.exception("unexpected error in the KV event publisher thread")
+                    stop = self.closing.is_set()
+                if stop:
+                    break
+            self._finish()
+            flushed = self._await_flush()
+        finally:
+            self._close(linger_ms=self._remaining_ms(), flushed=flushed)
+
+    def _flush_deadline(self) -> float:
+        """When sending and waiting must stop: the deadline less a linger reserve."""
+        return self.deadline - min(0.1, self.budget_s / 4)
+
+    def _remaining_ms(self) -> int:
+        return int(max(0.0, self.deadline - time.monotonic()) * 1000)
+
+    def step(self) -> bool:
+        """One round: a burst of live batches, new replay requests, one replay slice.
+
+        Returns True when the thread should stop.
+        """
+        closing = self.closing.is_set()
+        if closing and time.monotonic() >= self._flush_deadline():
+            return True
+        replay = self.replay
+        # Block for the next batch unless a replay can make progress right now; a
+        # replay whose client is full is retried after at most idle_poll_s.
+        wait = (replay is None or not replay.pending or replay.stalled) and not closing
+        timeout = self.idle_poll_s if replay is not None else max(self.idle_poll_s, 0.1)
+        batches = self.batches
+        marks = self.marks
+        track_every = marks.track_every
+        sent = 0
+        while sent < self.live_burst:
+            try:
+                item = batches.get(timeout=timeout) if wait and sent == 0 else batches.get_nowait()
+            except queue.Empty:
+                break
+            if item is STOP:
+                return True
+            # While closing, ask ZeroMQ about the last batch (the queue holds at most
+            # the stop sentinel after it) so shutdown knows when everything has left.
+            track = marks.since_mark + 1 >= track_every or (closing and batches.qsize() <= 1)
+            self._send_live(*item, track=track)
+            sent += 1
+        if replay is not None:
+            replay.accept_requests()
+            if replay.peers:
+                replay.serve()
+        return closing and sent == 0 and batches.empty()
+
+    def _send_live(self, seq: int, batch: EventBatch, *, track: bool = False) -> None:
+        try:
+            payload = encode_batch(batch)
+        except EncodeError as exc:
+            self.stats.encode_errors += 1
+            with self.lock:
+                count_drop(self.stats, "encode_error", len(batch.events))
+            self.error_log.warning("error", "dropped KV event batch seq %d: %s", seq, exc)
+            return
+        pub = self.sockets.pub
+        tracker = None
+        try:
+            if track:
+                pub.send(self.topic_frame, zmq.SNDMORE | zmq.NOBLOCK)
+                pub.send(pack_seq(seq), zmq.SNDMORE | zmq.NOBLOCK)
+                tracker = pub.send(
+                    zmq.Frame(payload, track=True, copy=False), zmq.NOBLOCK, copy=False, track=True
+                )
+            else:
+                pub.send_multipart(pack_live(self.topic_frame, seq, payload), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.stats.send_errors += 1
+            with self.lock:
+                count_drop(self.stats, "send_error", len(batch.events))
+            self.error_log.warning("error", "could not send KV event batch seq %d: %s", seq, exc)
+            return
+        stats = self.stats
+        stats.batches_published += 1
+        stats.events_published += len(batch.events)
+        self.buffer.append((seq, payload))
+        self.marks.sent(seq, tracker)
+
+    # --- stopping ----------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        """After the loop: count what could not be sent in time; drop open replays."""
+        batches = events = 0
+        while True:
+            try:
+                item = self.batches.get_nowait()
+            except queue.Empty:
+                break
+            if item is not STOP:
+                batches += 1
+                events += len(item[1].events)
+        if batches:
+            with self.lock:
+                count_drop(self.stats, "shutdown", events, batches)
+        if self.replay is not None:
+            self.replay.abandon_all("shutdown")
+
+    def _await_flush(self) -> bool:
+        """Wait (until the flush deadline) for ZeroMQ to write out every batch sent.
+
+        Returns True when the last batch sent is confirmed written, or when what is not
+        confirmed has been moved from published to dropped (``shutdown_unflushed``);
+        False when our own context's termination may still prove it written.
+        """
+        if self.sockets.endpoint.startswith("inproc://"):
+            return True  # an inproc send lands in the subscriber's own queue
+        if self.marks.wait_for_last(self._flush_deadline() - time.monotonic()):
+            return True
+        if self.sockets.own_context:
+            return False  # the context's termination may still prove them written
+        self.marks.uncount_unflushed(self.sockets.endpoint)
+        return True
+
+    def _close(self, linger_ms: int, flushed: bool = True) -> None:
+        """Close the sockets (PUB with ``linger_ms``) and, if ours, the context.
+
+        ``flushed=False``: batches after the confirmed point may still be in ZeroMQ;
+        terminating our own context waits (up to the linger) until they are written,
+        and whatever the linger did not cover is counted as unflushed.
+        """
+        start = time.monotonic()
+        sockets = self.sockets
+        sockets.close(linger_ms)
+        if not sockets.own_context:
+            return
+        if flushed or linger_ms == 0:
+            sockets.context.term()
+            if not flushed:
+                self.marks.uncount_unflushed(sockets.endpoint)
+            return
+        watch_until = start + linger_ms / 1000 - 0.01
+        if not self.marks.watch_termination(sockets.context.term, watch_until, time.monotonic):
+            self.marks.uncount_unflushed(sockets.endpoint)

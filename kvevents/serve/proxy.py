@@ -1,0 +1,252 @@
+"""Forwarding one OpenAI request: pick the best engine rank, send the body unchanged,
+stream the answer back byte for byte, fail over when an engine is gone before it
+answered, and check the prediction against the ``cached_tokens`` it reports.
+
+One job: the ``/v1/completions`` and ``/v1/chat/completions`` path.  Imports httpx and
+Starlette (the ``serve`` extra), the fleet, routing, telemetry, tokens and answers rooms;
+how a request becomes tokens and how ranks are ranked are handed in as callables by
+:class:`~kvevents.serve.app.ServeApp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvevents.errors import ConfigError
+from kvevents.request import RequestKey
+from kvevents.serve.answers import (
+    BODY_CAP_BYTES,
+    HOP_HEADERS,
+    SSE_TAIL_BYTES,
+    cached_tokens,
+    decode_json_body,
+    error_body,
+)
+from kvevents.serve.fleet import Fleet
+from kvevents.serve.routing import LoadTracker, Ranked
+from kvevents.serve.telemetry import ServeMetrics
+from kvevents.serve.tokens import BadRequest, build_key, check_body
+
+__all__ = ["Forwarder", "RankStats"]
+
+TokensFn = Callable[[dict[str, Any], bool], Awaitable[list[int]]]
+"""``(body, chat) -> token ids`` of a checked request body (raises ``BadRequest``)."""
+
+RankFn = Callable[[RequestKey, "str | None"], list[Ranked]]
+"""``(key, model) -> up engine ranks, best first``."""
+
+
+@dataclass
+class RankStats:
+    """What the service saw of one engine rank: requests routed to it, the online truth
+    check (tokens predicted and reported cached; exact/over/under/unchecked answers;
+    the last 50 ``(predicted, reported)`` pairs) and upstream errors."""
+
+    routed: int = 0
+    predicted: int = 0
+    reported: int = 0
+    exact: int = 0
+    over: int = 0
+    under: int = 0
+    unchecked: int = 0
+    errors: int = 0
+    checks: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=50))
+
+
+class Forwarder:
+    """Forwards requests to the engines.
+
+    ``clients`` maps engine names to their httpx clients (filled when the service
+    starts); ``rank_stats`` holds one :class:`RankStats` per worker label;
+    ``requests_total`` counts every request that reached :meth:`proxy`.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        loads: LoadTracker,
+        metrics: ServeMetrics,
+        clients: dict[str, httpx.AsyncClient],
+        loras: set[str],
+        tokens: TokensFn,
+        rank: RankFn,
+    ) -> None:
+        self.fleet = fleet
+        self.loads = loads
+        self.metrics = metrics
+        self.clients = clients
+        self.loras = loras
+        self._tokens = tokens
+        self._rank = rank
+        self.rank_stats: dict[str, RankStats] = {st.label: RankStats() for st in fleet.ranks}
+        self.requests_total = 0
+
+    def error(self, route: str, message: str, status: int) -> JSONResponse:
+        """OpenAI's error answer, counted in ``kvevents_serve_requests``."""
+        self.metrics.requests.labels(route, str(status)).inc()
+        return JSONResponse(error_body(message, status), status_code=status)
+
+    async def proxy(self, request: Request, path: str, *, chat: bool) -> Response:
+        """Forward ``request`` (a POST to ``path``) to the best rank that is up; a rank
+        whose engine refuses or drops the connection before answering is marked down
+        and the next one is tried; 503 when none is left."""
+        t0 = time.perf_counter()
+        self.requests_total += 1
+        raw = await request.body()
+        try:
+            body = check_body(decode_json_body(raw), chat)
+            tokens = await self._tokens(body, chat)
+            key = build_key(tokens, body, self.loras)
+        except BadRequest as exc:
+            return self.error(path, str(exc), exc.status)
+        except ConfigError as exc:
+            return self.error(path, str(exc), 400)
+        model = body.get("model")
+        ranked = self._rank(key, model if isinstance(model, str) else None)
+        self.metrics.overhead.observe(time.perf_counter() - t0)
+        if not ranked:
+            return self.error(path, "no engine is available", 503)
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in HOP_HEADERS
+            and k.lower() not in ("accept-encoding", "x-data-parallel-rank")
+        }
+        tried: set[str] = set()
+        stream = bool(body.get("stream"))
+        last_error = "no engine is available"
+        for cand in ranked:
+            st = cand.state
+            name = st.engine.name
+            if name in tried or not self.fleet.is_up(name):
+                continue
+            h = dict(headers)
+            if st.rank > 0:
+                h["X-data-parallel-rank"] = str(st.rank)
+            uncached = max(0, len(tokens) - cand.match.total)
+            self.loads.started(st.label, uncached)
+            client = self.clients[name]
+            req = client.build_request("POST", st.engine.http_base() + path, content=raw, headers=h)
+            try:
+                resp = await client.send(req, stream=True)
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+            ) as exc:
+                # nothing was answered: the engine is gone; try the next one
+                self.loads.answered(st.label, uncached)
+                self.loads.finished(st.label)
+                self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
+                self.rank_stats[st.label].errors += 1
+                self.fleet.mark_down(name, f"{path}: {type(exc).__name__}")
+                self.metrics.retries.inc()
+                tried.add(name)
+                last_error = f"engine {name} failed: {type(exc).__name__}"
+                continue
+            except httpx.HTTPError as exc:
+                self.loads.answered(st.label, uncached)
+                self.loads.finished(st.label)
+                self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
+                self.rank_stats[st.label].errors += 1
+                status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+                return self.error(path, f"engine {name} failed: {type(exc).__name__}", status)
+            self.metrics.routed.labels(name, str(st.rank)).inc()
+            self.rank_stats[st.label].routed += 1
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+            out_headers["x-kvevents-worker"] = st.label
+            return StreamingResponse(
+                self._relay(resp, cand, len(tokens), uncached, t0, path, stream),
+                status_code=resp.status_code,
+                headers=out_headers,
+            )
+        return self.error(path, last_error, 503)
+
+    async def _relay(
+        self,
+        resp: httpx.Response,
+        cand: Ranked,
+        n_tokens: int,
+        uncached: int,
+        t0: float,
+        path: str,
+        stream: bool,
+    ) -> AsyncIterator[bytes]:
+        st = cand.state
+        label = st.label
+        first = True
+        ok = False
+        gone = False
+        buf = bytearray()
+        try:
+            async for chunk in resp.aiter_raw():
+                if first:
+                    first = False
+                    self.metrics.ttfb.labels(path).observe(time.perf_counter() - t0)
+                    self.loads.answered(label, uncached)
+                if stream:
+                    buf += chunk
+                    if len(buf) > 2 * SSE_TAIL_BYTES:
+                        del buf[:-SSE_TAIL_BYTES]
+                elif len(buf) < BODY_CAP_BYTES:
+                    buf += chunk
+                yield chunk
+            ok = True
+        except httpx.HTTPError as exc:
+            self.metrics.upstream_errors.labels(
+                st.engine.name, "stream_" + type(exc).__name__
+            ).inc()
+            self.rank_stats[label].errors += 1
+            if isinstance(exc, (httpx.ReadError, httpx.RemoteProtocolError)):
+                self.fleet.mark_down(st.engine.name, f"{path}: answer broken off")
+            if stream:
+                err = error_body(f"engine {label} broke off the answer: {type(exc).__name__}", 502)
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            gone = True  # the client went away: counted as 499, nothing to check
+            raise
+        finally:
+            await resp.aclose()
+            if first:
+                self.loads.answered(label, uncached)
+            self.loads.finished(label)
+            self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
+            status = resp.status_code if ok else (499 if gone else 502)
+            self.metrics.requests.labels(path, str(status)).inc()
+            if ok and resp.status_code == 200:
+                self.check_truth(cand, bytes(buf), stream)
+
+    def check_truth(self, cand: Ranked, body: bytes, stream: bool) -> None:
+        """Compare the prediction for ``cand`` with the ``cached_tokens`` the engine
+        reported in its answer ``body``; counted in ``rank_stats`` and the metrics."""
+        st = cand.state
+        stats = self.rank_stats[st.label]
+        reported = cached_tokens(body, stream)
+        name = st.engine.name
+        if reported is None:
+            stats.unchecked += 1
+            self.metrics.unchecked.labels(name).inc()
+            return
+        predicted = cand.match.total
+        err = predicted - reported
+        stats.predicted += predicted
+        stats.reported += reported
+        stats.checks.append((predicted, reported))
+        outcome = "exact" if err == 0 else ("over" if err > 0 else "under")
+        setattr(stats, outcome, getattr(stats, outcome) + 1)
+        m = self.metrics
+        m.pred_error.labels(name).observe(err)
+        m.pred_outcome.labels(name, outcome).inc()
+        m.predicted_tokens.labels(name).inc(predicted)
+        m.reported_tokens.labels(name).inc(reported)

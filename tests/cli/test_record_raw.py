@@ -1,0 +1,203 @@
+"""``kvevents record`` keeps every frame it receives, in the order received, before
+decoding: messages with the wrong number of parts, a seq part of the wrong size and
+payloads that do not decode are written flagged between the good batches; ``inspect``
+reports them, ``replay --into-index`` and ``replay --publish`` skip them and lose no good
+batch.  Real processes on real ZMQ sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import zmq
+
+import kvevents.consumers as consumers
+from kvevents.capture import CaptureWriter, read_capture, unpack_parts
+from kvevents.cli import main
+from kvevents.codec import encode_batch, pack_live
+from tests.consumers._zmq_helpers import make_batch
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+GOOD = [encode_batch(make_batch(i)) for i in range(4)]
+GARBAGE = b"\xc1 not a batch"
+# What the publisher sends, in order: (the parts, what the capture must mark it as).
+SENT: list[tuple[list[bytes], str]] = [
+    (pack_live(b"kv", 0, GOOD[0]), "good"),
+    ([b"kv", (7).to_bytes(8, "big")], "malformed"),  # 2 parts
+    (pack_live(b"kv", 1, GOOD[1]), "good"),
+    ([b"kv", (2).to_bytes(8, "big"), GOOD[2], b"trailer"], "malformed"),  # 4 parts
+    (pack_live(b"kv", 2, GARBAGE), "undecodable"),
+    ([b"kv-only-one-part"], "malformed"),  # 1 part
+    ([b"kv", b"\x00\x03", GOOD[3]], "malformed"),  # a 2-byte seq
+    (pack_live(b"kv", 3, GOOD[3]), "good"),
+]
+
+
+def record_sent(tmp_path: Path) -> tuple[Path, str]:
+    """Run ``kvevents record --count 3`` against an XPUB sending :data:`SENT`."""
+    ep = f"ipc://{tmp_path}/raw.ipc"
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)  # an XPUB tells us when the recorder has subscribed
+    pub.setsockopt(zmq.LINGER, 1000)
+    pub.bind(ep)
+    out = tmp_path / "raw.kvcap"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvevents", "record", ep, "-o", str(out), "--count", "3"],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert pub.poll(30_000), "the recorder never subscribed"
+        pub.recv()
+        for parts, _ in SENT:
+            pub.send_multipart(parts)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pub.close()
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def test_record_keeps_every_frame_in_arrival_order_flagged(tmp_path: Path) -> None:
+    out, err = record_sent(tmp_path)
+    cap = read_capture(out)
+    assert cap.tail_error is None
+    recs = cap.records
+    assert len(recs) == len(SENT)
+    kinds = [
+        "malformed" if r.malformed else "undecodable" if r.undecodable else "good" for r in recs
+    ]
+    assert kinds == [k for _, k in SENT]
+    for rec, (parts, kind) in zip(recs, SENT):
+        if kind == "malformed":
+            assert rec.seq == -1 and unpack_parts(rec.payload) == parts  # byte for byte
+        else:
+            assert (rec.topic, rec.seq, rec.payload) == (
+                parts[0],
+                int.from_bytes(parts[1], "big"),
+                parts[2],
+            )
+        assert rec.source == f"ipc://{tmp_path}/raw.ipc#kv" or rec.malformed
+    assert [r.recv_ts for r in recs] == sorted(r.recv_ts for r in recs)
+    assert "3 batches" in err and "1 undecodable frame(s) kept" in err
+    assert "4 malformed message(s) kept" in err
+    assert err.count("anomaly bad_frame") == 4 and "anomaly undecodable" in err
+
+
+def test_inspect_and_replay_of_a_raw_capture(tmp_path: Path) -> None:
+    out, _ = record_sent(tmp_path)
+    good_events = sum(len(make_batch(i).events) for i in (0, 1, 3))
+
+    res = subprocess.run(
+        [sys.executable, "-m", "kvevents", "inspect", str(out)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == good_events
+    err = res.stderr.splitlines()
+    assert sum("malformed message" in line for line in err) == 4, res.stderr
+    assert any("2 part(s)" in line for line in err) and any("4 part(s)" in line for line in err)
+    assert any("seq part has 2 bytes" in line for line in err)
+    assert any(line.startswith("undecodable frame seq=2 ") for line in err)
+
+    res = subprocess.run(
+        [sys.executable, "-m", "kvevents", "inspect", str(out), "--summary", "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    summary = json.loads(res.stdout)
+    assert (summary["records"], summary["batches"], summary["events"]) == (8, 3, good_events)
+    assert (summary["malformed"], summary["undecodable"]) == (4, 1)
+
+    # replay into an index: the malformed records are reported and change nothing else;
+    # the index is what the same capture without them gives
+    without = tmp_path / "without-malformed.kvcap"
+    with CaptureWriter(without) as w:
+        for rec in read_capture(out).records:
+            if not rec.malformed:
+                w.write_record(rec)
+
+    def into_index(path: Path) -> dict[str, Any]:
+        res = subprocess.run(
+            [sys.executable, "-m", "kvevents", "replay", str(path), "--into-index", "--json"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        return cast("dict[str, Any]", json.loads(res.stdout))
+
+    got, ref = into_index(out), into_index(without)
+    kinds = [a["kind"] for a in got["anomalies"]]
+    assert kinds.count("bad_frame") == 4 and kinds.count("undecodable") == 1
+    assert [a for a in got["anomalies"] if a["kind"] != "bad_frame"] == ref["anomalies"]
+    assert got["stats"]["batches"] == ref["stats"]["batches"] == 3  # every good batch applied
+    assert got["workers"] == ref["workers"] and got["workers"][0]["tiers"]["GPU"]["entries"] > 0
+
+
+def test_replay_publish_of_a_raw_capture_sends_the_good_batches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = record_sent(tmp_path)
+    pub_ep = f"ipc://{tmp_path}/again.ipc"
+    sub = consumers.Subscriber([pub_ep])
+    rc: list[int] = []
+    args = ["replay", str(out), "--publish", pub_ep, "--max-rate", "--wait-subscribers", "1"]
+    runner = threading.Thread(target=lambda: rc.append(main([*args, "-q"])))
+    runner.start()
+    got: list[bytes] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < 3 and time.monotonic() < deadline:
+            item = sub.receive(timeout=0.1)
+            if isinstance(item, consumers.ReceivedBatch):
+                got.append(item.payload)
+    finally:
+        sub.close()
+        runner.join(timeout=30)
+    assert rc == [0]
+    assert got == [GOOD[0], GOOD[1], GOOD[3]]
+    err = capsys.readouterr().err
+    assert "republished 3 batches" in err and "skipped 5 (malformed x4, undecodable x1)" in err
+
+
+def test_an_arrival_order_capture_reads_back_in_stream_order(tmp_path: Path) -> None:
+    """Replies to a replay arrive after live batches that overtook them, some
+    interleaved: the reader merges them back, nothing lost, nothing applied twice."""
+    path = tmp_path / "arrival.kvcap"
+    arrival = [(0, False), (3, False), (4, False), (0, True), (1, True), (5, False)]
+    arrival += [(2, True), (6, False)]
+    with CaptureWriter(path) as w:
+        for seq, replayed in arrival:
+            w.write("tcp://e:1", b"", seq, encode_batch(make_batch(seq)), replayed=replayed)
+    sub = consumers.Subscriber([consumers.CaptureSource(str(path))])
+    got: list[int] = []
+    kinds: list[str] = []
+    try:
+        while (item := sub.receive(timeout=5)) is not None:
+            if isinstance(item, consumers.ReceivedBatch):
+                got.append(item.seq)
+            else:
+                kinds.append(item.kind)
+    finally:
+        sub.close()
+    assert got == list(range(7))
+    assert kinds == ["gap"]

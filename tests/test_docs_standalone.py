@@ -1,0 +1,70 @@
+"""The user documentation stands alone: it cites nothing a reader of the repository lacks.
+
+``README.md`` and ``docs/*.md`` may cite vLLM (by function or file name) and files of this
+repository, never internal specifications (``C§2.5``, ``DESIGN §4``), issues, branches or
+commit ids.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+
+FORBIDDEN: dict[str, re.Pattern[str]] = {
+    "a section sign (C§, DESIGN §)": re.compile("§"),
+    "an internal spec": re.compile(r"\b(DESIGN|CONTRACT|HELPERS)(\.md)?\b"),
+    "an issue": re.compile(r"\b[Tt]he issue\b|\b[Ii]ssues? ?#?\d+|(?<![\w:/#])#\d+\b"),
+    "a branch": re.compile(r"\bbranch `|\bbranch [\w-]+/"),
+    "a commit id": re.compile(r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}`"),
+    "a path outside the repository": re.compile(r"/work/|\bshared/"),
+}
+
+
+def test_the_docs_are_found() -> None:
+    assert REPO / "README.md" in DOCS and len(DOCS) > 5
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_doc_cites_only_what_a_reader_has(path: Path) -> None:
+    found = [
+        f"{path.name}:{lineno}: {what}: {line.strip()[:100]}"
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for what, pattern in FORBIDDEN.items()
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "as C§2.5 says",
+        "see DESIGN §4",
+        "the issue asked for 10%",
+        "fixed in issue 12",
+        "see #14",
+        "after the pass (branch `perf`)",
+        "the index at `a5d4e71`",
+        "from /work/shared/golden",
+    ],
+)
+def test_the_patterns_catch_citations(line: str) -> None:
+    assert any(p.search(line) for p in FORBIDDEN.values())
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "tcp://127.0.0.1:5557#0        287",
+        "vLLM's `ZmqEventPublisher._service_replay` answers",
+        "hashes=[1298830101561815286]",
+        "a design choice",
+    ],
+)
+def test_the_patterns_spare_ordinary_text(line: str) -> None:
+    assert not any(p.search(line) for p in FORBIDDEN.values())

@@ -1,0 +1,86 @@
+"""The one engine spec (``kvevents.engines``) that ``serve``, ``relay`` and the CLI share:
+one parser, one set of errors, and the former ``kvevents.serve`` names kept working (with
+a ``DeprecationWarning``) for one release."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvevents.serve
+import kvevents.serve.config
+from kvevents.engines import EngineSpec, parse_engine_spec
+from kvevents.errors import ConfigError, KVEventsError
+
+
+def test_serve_and_relay_share_one_type_and_one_parser() -> None:
+    assert kvevents.serve.EngineSpec is EngineSpec is kvevents.serve.config.EngineSpec
+    assert kvevents.serve.parse_engine_spec is parse_engine_spec
+
+
+def test_spec_round_trips_through_its_text() -> None:
+    for text in (
+        "a=http://h:1/,tcp://h:2,tcp://h:3;dp=2;topic=kv",
+        "b=tcp://h:2",
+        "c=http://h:1",
+        "d=https://h:1,ipc:///tmp/e",
+    ):
+        spec = parse_engine_spec(text)
+        assert parse_engine_spec(spec.spec()) == spec
+    assert parse_engine_spec("a=http://h:1/,tcp://h:2").http_url == "http://h:1"
+
+
+def test_rank_endpoints_follow_vllm_offsets() -> None:
+    spec = parse_engine_spec("a=tcp://h:5557,tcp://h:5558;dp=3")
+    assert spec.rank_endpoints() == [
+        (0, "tcp://h:5557", "tcp://h:5558"),
+        (1, "tcp://h:5558", "tcp://h:5559"),
+        (2, "tcp://h:5559", "tcp://h:5560"),
+    ]
+    assert spec.endpoints_for_rank(2) == ("tcp://h:5559", "tcp://h:5560")
+
+
+@pytest.mark.parametrize(
+    ("text", "kwargs", "message"),
+    [
+        ("a=tcp://h:2", {"require_http": True}, "missing the HTTP URL"),
+        ("a=http://h:1", {"require_events": True}, "missing the events endpoint"),
+        ("a=http://h:1,h:2", {}, "is not a ZMQ endpoint"),
+        ("a b=tcp://h:2", {}, "may contain only"),
+        ("a=tcp://h:2;dp=0", {}, "dp must be >= 1"),
+        ("a=tcp://h:2;dp=x", {}, "dp must be a positive integer"),
+    ],
+)
+def test_one_set_of_errors(text: str, kwargs: dict[str, bool], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_engine_spec(text, **kwargs)
+    assert isinstance(info.value, KVEventsError) and isinstance(info.value, ValueError)
+
+
+def test_constructor_checks_what_the_parser_checks() -> None:
+    with pytest.raises(ConfigError, match="must start with http"):
+        EngineSpec("a", "ftp://h:1")
+    with pytest.raises(ConfigError, match="not a ZMQ endpoint"):
+        EngineSpec("a", None, "h:2")
+    with pytest.raises(ConfigError, match="needs an events endpoint"):
+        EngineSpec("a", "http://h:1", None, "tcp://h:3")
+    with pytest.raises(ConfigError, match="missing the HTTP URL"):
+        EngineSpec("a", None, "tcp://h:2").http_base()
+
+
+def test_former_serve_names_warn_and_still_work() -> None:
+    spec = parse_engine_spec("a=http://h:1,tcp://h:2;dp=2")
+    with pytest.warns(DeprecationWarning, match="http_url"):
+        assert spec.url == "http://h:1"
+    with pytest.warns(DeprecationWarning, match="events_endpoint"):
+        assert spec.events == "tcp://h:2"
+    with pytest.warns(DeprecationWarning, match="replay_endpoint"):
+        assert spec.replay is None
+    with pytest.warns(DeprecationWarning, match="dp_size"):
+        assert spec.dp == 2
+    with pytest.warns(DeprecationWarning, match="endpoints_for_rank"):
+        assert spec.rank_endpoints(1) == ("tcp://h:3", None)
+    with pytest.warns(DeprecationWarning):
+        old = EngineSpec("a", url="http://h:1", events="tcp://h:2", dp=2)
+    assert old == spec
+    # the former serve spec wrote "no events endpoint" as ""
+    assert EngineSpec("a", "http://h:1", "").events_endpoint is None
