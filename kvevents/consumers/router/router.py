@@ -1,0 +1,240 @@
+"""KV-aware routing over a :class:`~kvevents.consumers.index.BlockIndex`.
+
+:meth:`Router.find_matches` says, per worker, how many leading prompt tokens that engine
+would actually reuse from each tier, by vLLM's own rules (``docs/routing.md``):
+
+* ``gpu``: ``KVCacheManager.get_computed_blocks``: at most ``num_tokens - 1`` tokens in
+  whole blocks; with several KV-cache groups, ``HybridKVCacheCoordinator``'s lookup
+  (hits aligned to the lcm of the block sizes; full-attention, sliding-window and
+  chunked-local groups each judged as their manager's ``find_longest_cache_hit``
+  judges them, until all agree); EAGLE's drop of the last block and lookahead hashing
+  per worker;
+* ``cpu``: the tokens the CPU tier adds *after* ``gpu``, as the offload connector's
+  ``_lookup_complete_chunks`` counts them: a running bound from the request length (one
+  less with windowed groups), tightened group by group (full attention first) to the end
+  of the group's stored chunks from the chunk holding ``gpu``; nothing as soon as less
+  than one of the current group's chunks remains beyond ``gpu``; when a group lowers
+  the bound after a windowed group, the windowed groups are checked again at the lower
+  bound, until it is stable;
+* ``storage``: likewise after ``gpu + cpu``.
+
+A request is its tokens or a :class:`~kvevents.RequestKey` (LoRA name, cache salt,
+multimodal inputs, prompt embeddings).  Workers with one full-attention group and no
+speculative mode (the usual fleet) are answered by walks that compute the prompt's
+content keys once and intersect per-tier worker bitsets along them, so their cost grows
+with the matched length, not with workers × length; every other worker is looked up on
+its own (:class:`~kvevents.consumers.router.lookup.WorkerLookup`).
+
+This module is the façade: it turns a request into content keys, sends the usual
+workers to the bitset walk (:mod:`~kvevents.consumers.router.walk`) and the others to
+the per-worker lookup (:mod:`~kvevents.consumers.router.lookup`), and prices the answer
+(:mod:`~kvevents.consumers.router.scoring`).
+
+May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
+:mod:`kvevents.errors`, :mod:`kvevents.request` and the router's own modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvevents.consumers.content import prompt_keys, request_keys
+from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
+from kvevents.consumers.router.lookup import WorkerLookup
+from kvevents.consumers.router.match import Candidate, Match
+from kvevents.consumers.router.scoring import TierWeights, cheapest, monotone, rank
+from kvevents.consumers.router.walk import full_prefix, simple_matches
+from kvevents.errors import ConfigError
+from kvevents.request import MMFeature, PromptEmbeds, RequestKey
+
+__all__ = ["Router"]
+
+_NO_WORKERS = "no workers to route to: the index is empty and no loads given"
+
+
+class Router:
+    """Picks the worker that makes a prompt cheapest to prefill.
+
+    ``cost(worker) = len(tokens) − (w_gpu·gpu + w_cpu·cpu + w_storage·storage)
+    + load_weight · load``; ties go to the smallest :data:`WorkerId`.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        weights: TierWeights | None = None,
+        load_weight: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.weights = weights if weights is not None else TierWeights()
+        self.load_weight = load_weight
+        self._workers_cache: tuple[IndexLayout, int, list[WorkerId], set[WorkerId]] | None = None
+
+    # ---------------------------------------------------------------- matching
+
+    def find_matches(
+        self,
+        request: Sequence[int] | RequestKey,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> dict[WorkerId, Match]:
+        """Per worker with anything reusable, its :class:`Match` (absent means all zero).
+
+        ``request`` is the prompt's token ids, or a :class:`~kvevents.RequestKey`; the
+        keyword arguments build one from tokens (LoRA adapter name, cache salt,
+        multimodal inputs, prompt embeddings: what vLLM keys blocks by besides tokens).
+        """
+        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        n = len(tokens)
+        index = self.index
+        lay = index.layout()
+        unit = lay.canonical
+        if n < 2:
+            return {}
+        if key is None:
+            keys = prompt_keys(tokens, unit)
+        elif key.prompt_embeds is None:
+            keys = request_keys(key, unit)
+        else:
+            keys = []  # block-size dependent: every worker is looked up on its own
+        out: dict[WorkerId, Match] = {}
+        if lay.gpu_classes and keys:
+            out = simple_matches(keys, n, lay, index)
+        workers = lay.complex_workers if keys else tuple(lay.plans)
+        if workers:
+            # the GPU prefix of every full-attention slot of these workers, in one walk
+            prefix = full_prefix(keys, n, lay, index) if keys and lay.complex_full_classes else None
+            rkey = key if key is not None else RequestKey(tokens)
+            lookup = WorkerLookup(index, rkey, keys, prefix)
+            for wid in workers:
+                plan = lay.plans[wid]
+                if plan.blocked is None:
+                    m = lookup.match(plan)
+                    if m.gpu or m.cpu or m.storage:
+                        out[wid] = m
+        return out
+
+    # ---------------------------------------------------------------- choosing
+
+    def score(
+        self,
+        request: Sequence[int] | RequestKey,
+        loads: Mapping[WorkerId, float] | None = None,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> list[Candidate]:
+        """Every candidate worker with its match and cost, best first.
+
+        Candidates are the index's workers plus any worker named in ``loads``, less
+        the workers marked stale (:meth:`BlockIndex.set_stale`).  The request is given as
+        to :meth:`find_matches`.
+        """
+        matches = self.find_matches(
+            request,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+        )
+        return self._rank(request, matches, loads)
+
+    def select(
+        self,
+        request: Sequence[int] | RequestKey,
+        loads: Mapping[WorkerId, float] | None = None,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
+    ) -> WorkerId:
+        """The cheapest worker for the request; ties go to the smallest worker id.
+
+        The same choice as ``score(...)[0].worker``, found without building a
+        :class:`Candidate` per worker or sorting them.  Raises
+        :class:`~kvevents.errors.ConfigError` when there is no worker at all.
+        """
+        matches = self.find_matches(
+            request,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            prompt_embeds=prompt_embeds,
+        )
+        best: WorkerId | None
+        ordered, known = self._sorted_workers()
+        if (
+            self.index.stale_workers
+            or not monotone(self.weights, self.load_weight)
+            or (matches and not matches.keys() <= known)  # not expected: index workers
+        ):
+            # stale workers to leave out, or unusual weights (a match may raise a
+            # cost): rank every candidate
+            ranked = self._rank(request, matches, loads)
+            best = ranked[0].worker if ranked else None
+        else:
+            n = len(request.tokens if isinstance(request, RequestKey) else request)
+            best = cheapest(matches, ordered, known, n, loads, self.weights, self.load_weight)
+        if best is None:
+            raise ConfigError(_NO_WORKERS)
+        return best
+
+    def _rank(
+        self,
+        request: Sequence[int] | RequestKey,
+        matches: Mapping[WorkerId, Match],
+        loads: Mapping[WorkerId, float] | None,
+    ) -> list[Candidate]:
+        workers = set(self.index.workers())
+        if loads:
+            workers.update(loads)
+        workers -= self.index.stale_workers
+        n = len(request.tokens if isinstance(request, RequestKey) else request)
+        return rank(matches, workers, n, loads, self.weights, self.load_weight)
+
+    def _sorted_workers(self) -> tuple[list[WorkerId], set[WorkerId]]:
+        """The index's workers, sorted, and a container to test membership (cached).
+
+        The cache is keyed on the index's layout object (replaced whenever a worker is
+        removed or gains a group) and its worker count (a worker is only ever added).
+        """
+        index = self.index
+        lay = index.layout()
+        count = index.num_workers()
+        cached = self._workers_cache
+        if cached is not None and cached[0] is lay and cached[1] == count:
+            return cached[2], cached[3]
+        ordered = index.workers()
+        known = set(ordered)
+        self._workers_cache = (lay, count, ordered, known)
+        return ordered, known
+
+
+def _request_key(
+    request: Sequence[int] | RequestKey,
+    lora_name: str | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MMFeature] | None,
+    prompt_embeds: PromptEmbeds | None,
+) -> tuple[Sequence[int], RequestKey | None]:
+    """The request's tokens, and the request as a RequestKey (None for plain tokens, the
+    fast and common case)."""
+    extras = (
+        lora_name is not None
+        or cache_salt is not None
+        or bool(mm_features)
+        or prompt_embeds is not None
+    )
+    if isinstance(request, RequestKey):
+        if extras:
+            raise ConfigError("pass either a RequestKey or tokens with keyword arguments")
+        return request.tokens, (request if request.has_extras else None)
+    if not extras:
+        return request, None
+    return request, RequestKey(request, lora_name, cache_salt, mm_features or (), prompt_embeds)
