@@ -1,18 +1,22 @@
 """Subcommands ``serve``, ``sim serve`` and ``loadgen`` of the ``kvevents`` CLI.
 
-:func:`add_parsers` adds them to the main parser.  This module imports only the service's
-configuration; a command's body (:mod:`kvevents.serve.commands`, which needs the ``serve``
-extra at import) is imported when the command runs, after a missing extra has been
-reported in one line naming it.
+:func:`add_parsers` adds them to the main parser.  This module imports the service's
+configuration and the load generator (neither needs an extra at import); the servers'
+bodies (:mod:`kvevents.serve.commands`, which needs the ``serve`` extra at import) are
+imported when ``serve`` or ``sim serve`` runs, after a missing extra has been reported in
+one line naming it (``loadgen`` checks the extra the same way before it runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 from typing import Any
 
 from kvevents.serve import require_serve_extra
 from kvevents.serve.config import POLICIES
+from kvevents.serve.loadgen import LoadgenConfig, ProgressBar, format_loadgen, run_loadgen
 
 __all__ = ["add_parsers"]
 
@@ -33,9 +37,26 @@ def _cmd_sim_serve(args: argparse.Namespace) -> int:
 
 def _cmd_loadgen(args: argparse.Namespace) -> int:
     require_serve_extra("kvevents loadgen")
-    from kvevents.serve.commands import cmd_loadgen  # needs the serve extra (uvicorn)
-
-    return cmd_loadgen(args)
+    cfg = LoadgenConfig(
+        url=args.url.rstrip("/"),
+        requests=args.requests,
+        tenants=args.tenants,
+        sessions=args.sessions,
+        max_tokens=args.max_tokens,
+        concurrency=None if args.rate is not None else args.concurrency,
+        rate=args.rate,
+        seed=args.seed,
+        model=args.model,
+    )
+    cfg.validate()
+    bar = ProgressBar()
+    bar.enabled = bar.enabled and not args.quiet
+    report = asyncio.run(run_loadgen(cfg, progress=bar))
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_loadgen(report))
+    return 0 if report.ok else 1
 
 
 def add_parsers(sub: Any) -> None:

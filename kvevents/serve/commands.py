@@ -1,17 +1,17 @@
-"""The bodies of the ``serve``, ``sim serve`` and ``loadgen`` subcommands.
+"""The bodies of the ``serve`` and ``sim serve`` subcommands (the two HTTP servers).
 
-One job: run a parsed command (:mod:`kvevents.serve.cli` defines the parsers).  Imports
-the service, its config and load generator, the simulated HTTP engines, and uvicorn (the
-``serve`` extra) at module level, so :mod:`kvevents.serve.cli` imports this module only
-when one of these commands runs, after checking the extra is installed: building the
-parser (``kvevents --help``) stays fast and never needs the extra.
+One job: run a parsed server command (:mod:`kvevents.serve.cli` defines the parsers).
+Imports the service (:mod:`kvevents.serve.app`), the simulated HTTP engines
+(:mod:`kvevents.sim.http`) and uvicorn, that is the ``serve`` extra, at module level, so
+:mod:`kvevents.serve.cli` imports this module only when one of these commands runs, after
+checking the extra is installed: building the parser (``kvevents --help``) stays fast and
+never needs the extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import socket
 import sys
@@ -23,10 +23,9 @@ import uvicorn
 from kvevents.errors import ConfigError
 from kvevents.serve import load_config
 from kvevents.serve.app import ServeApp
-from kvevents.serve.loadgen import LoadgenConfig, ProgressBar, format_loadgen, run_loadgen
 from kvevents.sim.http import SimHTTPConfig, default_http_engine, run_sim_fleet
 
-__all__ = ["cmd_loadgen", "cmd_serve", "cmd_sim_serve"]
+__all__ = ["cmd_serve", "cmd_sim_serve"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -118,27 +117,3 @@ def cmd_sim_serve(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
-
-
-def cmd_loadgen(args: argparse.Namespace) -> int:
-    """``kvevents loadgen``: send the workload; 0 when every request succeeded, else 1."""
-    cfg = LoadgenConfig(
-        url=args.url.rstrip("/"),
-        requests=args.requests,
-        tenants=args.tenants,
-        sessions=args.sessions,
-        max_tokens=args.max_tokens,
-        concurrency=None if args.rate is not None else args.concurrency,
-        rate=args.rate,
-        seed=args.seed,
-        model=args.model,
-    )
-    cfg.validate()
-    bar = ProgressBar()
-    bar.enabled = bar.enabled and not args.quiet
-    report = asyncio.run(run_loadgen(cfg, progress=bar))
-    if args.json:
-        print(json.dumps(report.to_json()))
-    else:
-        print(format_loadgen(report))
-    return 0 if report.ok else 1
