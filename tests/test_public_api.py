@@ -12,7 +12,29 @@ import pytest
 
 import kvevents
 
-PACKAGES = ["kvevents", "kvevents.publishers", "kvevents.publishers.offload", "kvevents.consumers"]
+PACKAGES = [
+    "kvevents",
+    "kvevents.publishers",
+    "kvevents.publishers.offload",
+    "kvevents.consumers",
+    "kvevents.sim",
+    "kvevents.demo",
+]
+
+DEMO_NAMES = {
+    "POLICIES",
+    "POLICY_LABELS",
+    "DemoConfig",
+    "DemoReport",
+    "PolicyResult",
+    "format_report",
+    "report_to_json",
+    "run_demo",
+    "run_policy",
+    "waves",
+    "write_plot",
+}
+"""The demo's public names: in ``kvevents.demo`` (they left ``kvevents.sim``, a layer below)."""
 
 
 def _public_names(mod: types.ModuleType) -> set[str]:
@@ -82,3 +104,32 @@ def test_version_matches_pyproject() -> None:
     declared = re.search(r'^version = "([^"]+)"', text, re.M)
     assert declared is not None
     assert kvevents.__version__ == __version__ == declared.group(1)
+
+
+def test_the_demo_lives_above_the_simulator() -> None:
+    """``kvevents.demo`` exports the demo; ``kvevents.sim`` no longer does, and importing
+    the simulator loads neither the demo nor the service it drives."""
+    import kvevents.demo
+    import kvevents.sim
+
+    assert set(kvevents.demo.__all__) == DEMO_NAMES
+    assert not DEMO_NAMES & set(kvevents.sim.__all__)
+    code = (
+        "import sys, kvevents.sim;"
+        "loaded = [m for m in ('kvevents.demo', 'kvevents.sim.demo', 'kvevents.serve') "
+        "if m in sys.modules];"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_old_demo_path_still_imports_with_a_warning() -> None:
+    """``kvevents.sim.demo`` re-exports ``kvevents.demo`` (the same objects) and warns."""
+    import kvevents.demo
+
+    sys.modules.pop("kvevents.sim.demo", None)
+    with pytest.warns(DeprecationWarning, match="kvevents.demo"):
+        old = importlib.import_module("kvevents.sim.demo")
+    assert set(old.__all__) == DEMO_NAMES
+    for name in DEMO_NAMES:
+        assert getattr(old, name) is getattr(kvevents.demo, name)

@@ -57,7 +57,7 @@ def _demo_engine(args: argparse.Namespace, default: Any) -> Any:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvevents.sim.demo import (
+    from kvevents.demo import (
         DemoConfig,
         format_report,
         report_to_json,

@@ -6,6 +6,9 @@ The configuration (:class:`ServeConfig`, :class:`EngineSpec`, :func:`load_config
 httpx, prometheus-client): ``pip install 'kvevents[serve]'``.
 """
 
+import importlib.util
+
+from kvevents.errors import ConfigError
 from kvevents.serve.config import (
     POLICIES,
     EngineSpec,
@@ -29,10 +32,6 @@ _SERVE_EXTRA_HINT = "pip install 'kvevents[serve]'"
 def require_serve_extra(what: str = "kvevents serve") -> None:
     """Raise :class:`~kvevents.errors.ConfigError` (one line naming the extra) when a
     package of the ``serve`` extra is missing."""
-    import importlib.util
-
-    from kvevents.errors import ConfigError
-
     missing = [
         m
         for m in ("starlette", "uvicorn", "httpx", "prometheus_client")

@@ -1,139 +1,42 @@
 """Subcommands ``serve``, ``sim serve`` and ``loadgen`` of the ``kvevents`` CLI.
 
-:func:`add_parsers` adds them to the main parser; everything beyond argparse is imported
-when a command runs, and a missing ``serve`` extra is one line naming it.
+:func:`add_parsers` adds them to the main parser.  This module imports the service's
+configuration and the load generator (neither needs an extra at import); the servers'
+bodies (:mod:`kvevents.serve.commands`, which needs the ``serve`` extra at import) are
+imported when ``serve`` or ``sim serve`` runs, after a missing extra has been reported in
+one line naming it (``loadgen`` checks the extra the same way before it runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import socket
-import sys
+import json
 from typing import Any
 
-from kvevents.errors import ConfigError
+from kvevents.serve import require_serve_extra
+from kvevents.serve.config import POLICIES
+from kvevents.serve.loadgen import LoadgenConfig, ProgressBar, format_loadgen, run_loadgen
 
 __all__ = ["add_parsers"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvevents.serve import load_config, require_serve_extra
-
     require_serve_extra("kvevents serve")
-    import uvicorn
+    from kvevents.serve.commands import cmd_serve  # needs the serve extra (uvicorn)
 
-    from kvevents.serve.app import ServeApp
-
-    config = load_config(
-        config_file=args.config,
-        engines=args.engine or (),
-        options={
-            "host": args.host,
-            "port": args.port,
-            "policy": args.policy,
-            "tokenizer": args.tokenizer,
-            "blocks_per_chunk": args.blocks_per_chunk,
-            "load_tokens": args.load_tokens,
-            "scrape_interval_s": args.scrape_interval,
-            "seed": args.seed,
-            "nats_url": args.nats,
-            "nats_stream": args.stream,
-        },
-    )
-    service = ServeApp(config)
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((config.host, config.port))
-    except OSError as exc:
-        service.fleet.close()
-        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            service.app,
-            log_level=args.log_level,
-            access_log=args.access_log,
-            timeout_keep_alive=30,
-            server_header=False,  # the engine's own headers come through unchanged
-            date_header=False,
-        )
-    )
-    names = ", ".join(e.name for e in config.engines)
-    print(
-        f"kvevents serve: listening on http://{config.host}:{port} "
-        f"(policy {config.policy}; engines {names})",
-        flush=True,
-    )
-    server.run(sockets=[sock])
-    return 0
+    return cmd_serve(args)
 
 
 def _cmd_sim_serve(args: argparse.Namespace) -> int:
-    from kvevents.serve import require_serve_extra
-
     require_serve_extra("kvevents sim serve")
-    from dataclasses import replace
+    from kvevents.serve.commands import cmd_sim_serve  # needs the serve extra (uvicorn)
 
-    from kvevents.sim.http import SimHTTPConfig, default_http_engine, run_sim_fleet
-
-    engine = default_http_engine()
-    over: dict[str, Any] = {}
-    if args.gpu_blocks is not None:
-        over["num_gpu_blocks"] = args.gpu_blocks
-    if args.cpu_chunks is not None:
-        over["num_cpu_chunks"] = args.cpu_chunks
-    if args.blocks_per_chunk is not None:
-        over["blocks_per_chunk"] = args.blocks_per_chunk
-    if over:
-        engine = replace(engine, **over)
-    engine.validate()
-    config = SimHTTPConfig(
-        engine=engine,
-        step_s=args.step_ms / 1000.0,
-        prefill_s_per_token=args.prefill_us_per_token / 1e6,
-        loras=tuple(x for x in (args.lora or "").split(",") if x),
-    )
-
-    def on_ready(specs: list[str]) -> None:
-        for s in specs:
-            sys.stdout.write(f"--engine {s}\n")
-        sys.stdout.flush()
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await run_sim_fleet(
-            args.engines,
-            config=config,
-            host=args.host,
-            http_base=args.http_port,
-            events_base=args.events_port,
-            stop=stop,
-            on_ready=on_ready,
-        )
-
-    asyncio.run(main())
-    return 0
+    return cmd_sim_serve(args)
 
 
 def _cmd_loadgen(args: argparse.Namespace) -> int:
-    import json
-
-    from kvevents.serve import require_serve_extra
-
     require_serve_extra("kvevents loadgen")
-    from kvevents.serve.loadgen import (
-        LoadgenConfig,
-        ProgressBar,
-        format_loadgen,
-        run_loadgen,
-    )
-
     cfg = LoadgenConfig(
         url=args.url.rstrip("/"),
         requests=args.requests,
@@ -158,8 +61,6 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     """Add ``serve``, ``sim`` (``sim serve``) and ``loadgen`` to the CLI's subparsers."""
-    from kvevents.serve.config import POLICIES
-
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible KV-aware routing service in front of engines",

@@ -27,6 +27,7 @@ import msgspec
 
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.request import RequestKey
+from kvevents.sim.tokenizer import TOKENIZER_TYPE, load_sim_tokenizer
 
 __all__ = ["BadRequest", "LocalTokenizer", "build_key", "tokenize_body"]
 
@@ -61,8 +62,6 @@ class LocalTokenizer:
                 data = json.loads(f.read())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read tokenizer {path!r}: {exc}") from exc
-        from kvevents.sim.tokenizer import TOKENIZER_TYPE, load_sim_tokenizer
-
         if isinstance(data, Mapping) and data.get("type") == TOKENIZER_TYPE:
             self.sim = load_sim_tokenizer(data)
             return

@@ -4,8 +4,9 @@
 caching and vLLM-compatible hashes, an optional CPU tier (:class:`SimOffload`, over
 ``kvevents.publishers.offload``), and a publisher.  :func:`generate_workload` makes a
 seeded chat workload.  :class:`SimCluster` puts engines behind real ZMQ publishers on
-loopback; :func:`run_demo` is ``kvevents demo``: engines, subscriber, index and router in
-one process, comparing routing policies.
+loopback.  The demo that drives these engines through ``kvevents serve``
+(``kvevents demo``) is :mod:`kvevents.demo`, a layer above: this package never imports it
+(nor ``kvevents.serve``).
 """
 
 from kvevents.sim.block_pool import (
@@ -22,19 +23,6 @@ from kvevents.sim.cluster import (
     SimWorker,
     engine_endpoint,
     loopback_endpoint,
-)
-from kvevents.sim.demo import (
-    POLICIES,
-    POLICY_LABELS,
-    DemoConfig,
-    DemoReport,
-    PolicyResult,
-    format_report,
-    report_to_json,
-    run_demo,
-    run_policy,
-    waves,
-    write_plot,
 )
 from kvevents.sim.engine import (
     AdmissionRecord,
@@ -53,20 +41,15 @@ from kvevents.sim.offload import (
 from kvevents.sim.workload import SimRequest, WorkloadConfig, generate_workload
 
 __all__ = [
-    "POLICIES",
-    "POLICY_LABELS",
     "AdmissionRecord",
     "BatchSink",
     "BeforeLookup",
     "BlockPoolStats",
     "ClusterConfig",
-    "DemoConfig",
-    "DemoReport",
     "EngineStats",
     "GPUBlockPool",
     "KVCacheGroupSpec",
     "OffloadSimStats",
-    "PolicyResult",
     "RequestHasher",
     "RequestResult",
     "SimCluster",
@@ -78,14 +61,8 @@ __all__ = [
     "WorkloadConfig",
     "engine_endpoint",
     "expected_block_bytes",
-    "format_report",
     "generate_workload",
     "group_block_hashes",
     "hash_block_size",
     "loopback_endpoint",
-    "report_to_json",
-    "run_demo",
-    "run_policy",
-    "waves",
-    "write_plot",
 ]

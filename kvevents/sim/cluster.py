@@ -19,6 +19,7 @@ from typing import Any
 
 from kvevents.errors import ConfigError
 from kvevents.events import KVEventBatch
+from kvevents.publishers import ZmqEventPublisher
 from kvevents.sim.engine import SimEngine, SimEngineConfig
 
 __all__ = ["ClusterConfig", "SimCluster", "SimWorker", "engine_endpoint", "loopback_endpoint"]
@@ -104,8 +105,6 @@ class SimCluster:
         self.config = config or ClusterConfig()
         if self.config.num_engines < 1 or self.config.dp_ranks < 1:
             raise ConfigError("num_engines and dp_ranks must be >= 1")
-        from kvevents.publishers import ZmqEventPublisher
-
         self.workers: list[SimWorker] = []
         cfg = self.config
         try:

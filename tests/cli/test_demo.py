@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvevents.cli import main
-from kvevents.sim.demo import DemoConfig, DemoReport, run_demo, waves
+from kvevents.demo import DemoConfig, DemoReport, run_demo, waves
 from kvevents.sim.workload import WorkloadConfig, generate_workload
 
 

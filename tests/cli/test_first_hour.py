@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kvevents
-import kvevents.sim.demo as demo_module
+import kvevents.demo as demo_module
 from kvevents.capture import CaptureWriter, read_capture
 from kvevents.cli import main
 from kvevents.errors import MissingDependencyError

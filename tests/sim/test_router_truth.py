@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from kvevents.consumers import BlockIndex, ReceivedBatch, Router, Subscriber
+from kvevents.demo import waves
 from kvevents.request import RequestKey
 from kvevents.sim import (
     ClusterConfig,
@@ -36,7 +37,6 @@ from kvevents.sim import (
     SimRequest,
     WorkloadConfig,
     generate_workload,
-    waves,
 )
 
 WorkerId = tuple[str, int]

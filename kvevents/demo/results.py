@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvevents.sim.demo.config import DemoConfig
+from kvevents.demo.config import DemoConfig
 from kvevents.sim.engine import SimEngineConfig
 
 __all__ = ["DemoReport", "PolicyResult"]

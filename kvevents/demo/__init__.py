@@ -19,16 +19,16 @@ prompt_tokens``.  The service checks every prediction against the ``cached_token
 engine reported (its online truth check); time to first token and throughput are the
 load generator's.
 
-Rooms: :mod:`~kvevents.sim.demo.config` (what runs), :mod:`~kvevents.sim.demo.run`
-(running it), :mod:`~kvevents.sim.demo.results` (what it measured),
-:mod:`~kvevents.sim.demo.report` (text, JSON, plot).  This package re-exports the
+Rooms: :mod:`~kvevents.demo.config` (what runs), :mod:`~kvevents.demo.run`
+(running it), :mod:`~kvevents.demo.results` (what it measured),
+:mod:`~kvevents.demo.report` (text, JSON, plot).  This package re-exports the
 public names.
 """
 
-from kvevents.sim.demo.config import POLICIES, POLICY_LABELS, DemoConfig, waves
-from kvevents.sim.demo.report import format_report, report_to_json, write_plot
-from kvevents.sim.demo.results import DemoReport, PolicyResult
-from kvevents.sim.demo.run import run_demo, run_policy
+from kvevents.demo.config import POLICIES, POLICY_LABELS, DemoConfig, waves
+from kvevents.demo.report import format_report, report_to_json, write_plot
+from kvevents.demo.results import DemoReport, PolicyResult
+from kvevents.demo.run import run_demo, run_policy
 
 __all__ = [
     "POLICIES",

@@ -1,6 +1,6 @@
 """The demo's report: the comparison table as text, as JSON, and as a plot.
 
-One job: presenting a :class:`~kvevents.sim.demo.results.DemoReport`.  Imports the
+One job: presenting a :class:`~kvevents.demo.results.DemoReport`.  Imports the
 demo's config and results; matplotlib (the ``demo`` extra) only in :func:`write_plot`.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvevents.sim.demo.config import KV_AWARE_POLICIES, POLICY_LABELS
-from kvevents.sim.demo.results import DemoReport
+from kvevents.demo.config import KV_AWARE_POLICIES, POLICY_LABELS
+from kvevents.demo.results import DemoReport
 
 __all__ = ["format_report", "report_to_json", "write_plot"]
 

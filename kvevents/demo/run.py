@@ -3,12 +3,14 @@ on loopback, the load generator driving the workload through it, and the engines
 counters read as ground truth.
 
 One job: :func:`run_policy` and :func:`run_demo`.  Imports the capture writer, the demo's
-config and results; the service, load generator and simulated HTTP engines (the
-``serve`` extra) only when a policy runs.
+config and results, the service's stack, config and load generator, and the simulated
+HTTP engines (none of which needs an extra at import); httpx (the ``serve`` extra) only
+when a policy runs, after :func:`run_demo` has checked the extra is installed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,10 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvevents.capture import CaptureWriter
+from kvevents.demo.config import POLICIES, DemoConfig
+from kvevents.demo.results import DemoReport, PolicyResult
 from kvevents.errors import ConfigError
-from kvevents.sim.demo.config import POLICIES, DemoConfig
-from kvevents.sim.demo.results import DemoReport, PolicyResult
+from kvevents.serve import require_serve_extra
+from kvevents.serve.config import ServeConfig
+from kvevents.serve.loadgen import run_loadgen
+from kvevents.serve.stack import LocalStack
 from kvevents.sim.engine import SimEngineConfig
+from kvevents.sim.http import SimHTTPConfig
 
 __all__ = ["DemoFleet", "DemoWorker", "run_demo", "run_policy"]
 
@@ -88,14 +95,7 @@ def run_policy(
 
     With ``capture``, every batch the service's subscriber receives is also written to it.
     """
-    import asyncio
-
     import httpx
-
-    from kvevents.serve.config import ServeConfig
-    from kvevents.serve.loadgen import run_loadgen
-    from kvevents.serve.stack import LocalStack
-    from kvevents.sim.http import SimHTTPConfig
 
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -205,8 +205,6 @@ def run_demo(
 ) -> DemoReport:
     """Run every policy of ``config`` on the same seeded workload.  Needs the ``serve``
     extra (the engines and the service talk HTTP)."""
-    from kvevents.serve import require_serve_extra
-
     require_serve_extra("kvevents demo")
     config = config or DemoConfig()
     t0 = time.perf_counter()
