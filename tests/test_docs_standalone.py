@@ -68,3 +68,48 @@ def test_the_patterns_catch_citations(line: str) -> None:
 )
 def test_the_patterns_spare_ordinary_text(line: str) -> None:
     assert not any(p.search(line) for p in FORBIDDEN.values())
+
+
+# --- the architecture map names only files that exist -------------------------------------
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+CITED_PATH = re.compile(r"`((?:kvevents|tests|benchmarks|examples|docs)/[^`\s]*)`")
+
+
+def cited_paths(text: str) -> list[str]:
+    """Every backticked repository path (``kvevents/...``, ``tests/...``) in ``text``."""
+    return CITED_PATH.findall(text)
+
+
+def test_the_path_pattern_finds_paths() -> None:
+    text = "see `kvevents/codec/` and `kvevents/events.py`, not `kvevents.codec` nor `BlockIndex`"
+    assert cited_paths(text) == ["kvevents/codec/", "kvevents/events.py"]
+
+
+def test_every_path_the_architecture_map_cites_exists() -> None:
+    paths = cited_paths(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert len(paths) > 30, "the map cites the code by path"
+    missing = [
+        p
+        for p in dict.fromkeys(paths)
+        if not (any(REPO.glob(p)) if "*" in p else (REPO / p).exists())
+        or (p.endswith("/") and not (REPO / p).is_dir())
+    ]
+    assert not missing, f"docs/architecture.md cites paths that do not exist: {missing}"
+
+
+SHORT_NAME = re.compile(r"`(\w+(?:\.py|/))`")
+
+
+def test_every_file_a_row_of_the_map_names_exists() -> None:
+    """A table row names its files by full path once, then by their short names
+    (``stores.py``, ``policies/``): each short name is in a folder the row cites."""
+    missing = []
+    rows = [ln for ln in ARCHITECTURE.read_text(encoding="utf-8").splitlines() if ln[:1] == "|"]
+    for row in rows:
+        cited = [REPO / p for p in cited_paths(row) if "*" not in p]
+        folders = {p if p.is_dir() or str(p).endswith("/") else p.parent for p in cited}
+        for name in SHORT_NAME.findall(row):
+            if folders and not any((folder / name).exists() for folder in folders):
+                missing.append(f"{name} (row: {row[:60]})")
+    assert not missing, f"docs/architecture.md names files no row folder holds: {missing}"
