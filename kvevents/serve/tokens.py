@@ -27,7 +27,7 @@ import msgspec
 
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.request import RequestKey
-from kvevents.sim.tokenizer import TOKENIZER_TYPE, load_sim_tokenizer
+from kvevents.tokenizer import TOKENIZER_TYPE, load_sim_tokenizer
 
 __all__ = ["BadRequest", "LocalTokenizer", "build_key", "tokenize_body"]
 
