@@ -54,6 +54,7 @@ from kvevents.consumers.subscriber.streams import HeldBatch
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
+from kvevents.errors import DecodeError
 from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
 
@@ -150,6 +151,8 @@ class SubscriberCore:
             max_pending=options.max_pending,
         )
         self._streams = table.streams
+        self._names = table.names
+        self._decode = self.decoder.decode
         self._inband = InbandReplays(self._streams, outbox, options.inband_window)
         self._replays = ReplayScheduler(
             self._sources,
@@ -166,6 +169,7 @@ class SubscriberCore:
         # reference to a subscriber closes it at once (``__del__``).
         probe = functools.partial(self._replays.schedule, probe=True)
         self._liveness = Liveness(self._streams, outbox, options.stale_after_s, probe)
+        self._resumed_after_silence = self._liveness.resumed_after_silence
         self._replies = ReplyRouter(table, outbox, self._liveness, self._replays)
         self._last_topic = self._replies.last_topic
         self._batch = options.receive_batch
@@ -297,10 +301,22 @@ class SubscriberCore:
         """Read what the ``ready`` sources have (None: every source), process it, then
         enforce replay deadlines and liveness.  ``now`` is ``time.monotonic()``."""
         replays = self._replays
+        batch = self._batch
+        live = self._live
+        process = self._process
         for src in self._sources if ready is None else ready:
             replays.new_read()
-            for msg in src.receive(self._batch):
-                self._process(src, msg, now)
+            msgs = src.receive(batch)
+            if msgs:
+                # Read once per read, not per message: a source's name and its replay
+                # kind do not change.
+                name = src.name
+                inband = src.replay_inband
+                for msg in msgs:
+                    if msg.kind == LIVE:
+                        live(src, name, inband, msg, now)
+                    else:
+                        process(src, msg, now)
             if src.exhausted and src.replay_inband:
                 self._inband.end(src, everything=True)
         replays.check_deadlines(now)
@@ -329,29 +345,42 @@ class SubscriberCore:
             pass
 
     # --- message routing --------------------------------------------------------------
+    def _live(self, src: Source, name: str, inband: bool, msg: SourceMessage, now: float) -> None:
+        """A :data:`LIVE` message of ``src`` (whose ``name`` and ``replay_inband`` are
+        given): decode it, find its stream and hand it to the stream's tracker."""
+        origin = msg.origin or name
+        topic = msg.topic
+        payload = msg.payload
+        table = self._table
+        try:
+            decoded = self._decode(payload)
+        except DecodeError as exc:
+            table.undecodable(origin, msg, exc)
+            return
+        self._last_topic[name] = topic
+        source = self._names.get((origin, topic))
+        if source is None:
+            source = table.worker_source(origin, topic)
+        key = (source, decoded.data_parallel_rank or 0)
+        st = self._streams.get(key) or table.open(key, src, topic, now)
+        tracker = st.tracker
+        item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
+        fp = hash(payload)
+        if inband:
+            if self._inband.live(key, tracker, msg, item, fp):
+                return
+        elif self._resumed_after_silence(st, now):
+            self._apply(key, tracker.verify())
+        st.heard = st.live_at = now
+        if st.stale:
+            self._liveness.revive(st)
+        self._apply(key, tracker.live(msg.seq, item, fp))
+
     def _process(self, src: Source, msg: SourceMessage, now: float) -> None:
         kind = msg.kind
         origin = msg.origin or src.name
         if kind == LIVE:
-            table = self._table
-            decoded = table.decode(origin, msg)
-            if decoded is None:
-                return
-            self._last_topic[src.name] = msg.topic
-            key = (table.worker_source(origin, msg.topic), decoded.data_parallel_rank or 0)
-            st = self._streams.get(key) or table.open(key, src, msg.topic, now)
-            tracker = st.tracker
-            item = HeldBatch(msg.topic, msg.payload, decoded, msg.recv_ts, msg.replayed)
-            fp = hash(msg.payload)
-            if src.replay_inband:
-                if self._inband.live(key, tracker, msg, item, fp):
-                    return
-            elif self._liveness.resumed_after_silence(st, now):
-                self._apply(key, tracker.verify())
-            st.heard = st.live_at = now
-            if st.stale:
-                self._liveness.revive(st)
-            self._apply(key, tracker.live(msg.seq, item, fp))
+            self._live(src, src.name, src.replay_inband, msg, now)
         elif kind == REPLAY:
             self._replies.reply(src, msg, origin, now)
         elif kind == REPLAY_END:

@@ -79,15 +79,19 @@ class StreamTable:
         try:
             return self.decoder.decode(msg.payload)
         except DecodeError as exc:
-            outbox = self.outbox
-            outbox.stats.dropped[UNDECODABLE] += 1
-            outbox.log.warning(
-                "undecodable:" + origin,
-                "%s: skipped an undecodable payload (seq %d): %s",
-                origin,
-                msg.seq,
-                exc,
-            )
-            where = "replayed " if msg.kind == REPLAY else ""
-            outbox.emit(Anomaly(UNDECODABLE, origin, None, msg.seq, msg.seq, f"{where}{exc}"))
+            self.undecodable(origin, msg, exc)
             return None
+
+    def undecodable(self, origin: str, msg: SourceMessage, exc: DecodeError) -> None:
+        """Count, log and report ``msg`` (from ``origin``) as ``undecodable``."""
+        outbox = self.outbox
+        outbox.stats.dropped[UNDECODABLE] += 1
+        outbox.log.warning(
+            "undecodable:" + origin,
+            "%s: skipped an undecodable payload (seq %d): %s",
+            origin,
+            msg.seq,
+            exc,
+        )
+        where = "replayed " if msg.kind == REPLAY else ""
+        outbox.emit(Anomaly(UNDECODABLE, origin, None, msg.seq, msg.seq, f"{where}{exc}"))

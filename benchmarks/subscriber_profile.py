@@ -1,0 +1,119 @@
+"""CPU cost per batch of ``Subscriber.receive`` (receive + decode + seq tracking), for
+profiling and A/B runs of the subscriber's hot path.
+
+One raw PUB in this process pre-sends ``--batches`` 2-event batches (the traffic of
+``benchmarks/subscriber.py``); the subscriber then drains them.  The figure is the main
+thread's CPU time (``time.thread_time``) per batch, in microseconds, best of
+``--repeat`` runs: the machine is shared, so wall-clock time is noisy.  ``--raw`` times
+a bare ``recv_multipart`` loop over the same traffic instead; ``--profile`` prints a
+``cProfile`` of one run.  To compare two checkouts, run this script under each one's
+``PYTHONPATH`` alternately.
+
+Prints one JSON line: ``{"us_per_batch": ..., "runs": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.subscriber import TOPIC, payloads
+from kvevents.codec import pack_live
+from kvevents.consumers import ReceivedBatch, Subscriber
+
+
+def _pub(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    return pub, f"tcp://127.0.0.1:{port}"
+
+
+def _send(pub: zmq.Socket[bytes], n: int) -> None:
+    pub.recv()  # the subscription: nothing is sent before it
+    data = payloads()
+    for seq in range(n):
+        pub.send_multipart(pack_live(TOPIC, seq, data[seq % len(data)]))
+
+
+def run_subscriber(n: int, prof: cProfile.Profile | None = None) -> float:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub, ep = _pub(ctx)
+    sub = Subscriber(ep, rcvhwm=0, catch_up=False, stale_after_s=None)
+    _send(pub, n)
+    time.sleep(0.3)  # let the I/O thread move the frames (not a synchronisation)
+    got = 0
+    if prof is not None:
+        prof.enable()
+    t0 = time.thread_time()
+    while got < n:
+        item = sub.receive(5)
+        if item is None:
+            raise RuntimeError(f"stalled after {got} of {n}")
+        if isinstance(item, ReceivedBatch):
+            got += 1
+    cpu = time.thread_time() - t0
+    if prof is not None:
+        prof.disable()
+    sub.close()
+    pub.close(0)
+    ctx.term()
+    return cpu / n * 1e6
+
+
+def run_raw(n: int) -> float:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub, ep = _pub(ctx)
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(ep)
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    _send(pub, n)
+    time.sleep(0.3)
+    got = 0
+    t0 = time.thread_time()
+    while got < n:
+        for sock, _ in poller.poll(5000):
+            while True:
+                try:
+                    sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got += 1
+    cpu = time.thread_time() - t0
+    s.close(0)
+    pub.close(0)
+    ctx.term()
+    return cpu / n * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batches", type=int, default=60_000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--raw", action="store_true", help="time a bare recv_multipart loop")
+    p.add_argument("--profile", action="store_true", help="print a cProfile of one run")
+    a = p.parse_args()
+    if a.profile:
+        prof = cProfile.Profile()
+        run_subscriber(a.batches, prof)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+    fn = run_raw if a.raw else run_subscriber
+    runs = [fn(a.batches) for _ in range(a.repeat)]
+    print(json.dumps({"us_per_batch": round(min(runs), 3), "runs": [round(r, 3) for r in runs]}))
+
+
+if __name__ == "__main__":
+    main()
