@@ -9,7 +9,8 @@ a bare ``recv_multipart`` loop over the same traffic instead; ``--profile`` prin
 ``cProfile`` of one run.  To compare two checkouts, run this script under each one's
 ``PYTHONPATH`` alternately.
 
-Prints one JSON line: ``{"us_per_batch": ..., "runs": [...]}``.
+Prints a table and a last JSON line (the subscriber against the bare loop, measured in
+the same run); ``--raw`` alone prints one JSON line ``{"us_per_batch": ..., "runs": [...]}``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._common import report, result
 from benchmarks.subscriber import TOPIC, payloads
 from kvevents.codec import pack_live
 from kvevents.consumers import ReceivedBatch, Subscriber
@@ -102,17 +104,42 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batches", type=int, default=60_000)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--raw", action="store_true", help="time a bare recv_multipart loop")
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    p.add_argument("--raw", action="store_true", help="time only the bare recv_multipart loop")
     p.add_argument("--profile", action="store_true", help="print a cProfile of one run")
     a = p.parse_args()
+    batches, repeat = (3_000, 1) if a.quick else (a.batches, a.repeat)
     if a.profile:
         prof = cProfile.Profile()
-        run_subscriber(a.batches, prof)
+        run_subscriber(batches, prof)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    fn = run_raw if a.raw else run_subscriber
-    runs = [fn(a.batches) for _ in range(a.repeat)]
-    print(json.dumps({"us_per_batch": round(min(runs), 3), "runs": [round(r, 3) for r in runs]}))
+    if a.raw:
+        runs = [run_raw(batches) for _ in range(repeat)]
+        print(
+            json.dumps({"us_per_batch": round(min(runs), 3), "runs": [round(r, 3) for r in runs]})
+        )
+        return
+    # The subscriber and its baseline (the bare loop over the same traffic), interleaved.
+    sub_runs: list[float] = []
+    raw_runs: list[float] = []
+    for _ in range(repeat):
+        sub_runs.append(run_subscriber(batches))
+        raw_runs.append(run_raw(batches))
+    sub_us, raw_us = min(sub_runs), min(raw_runs)
+    report(
+        "subscriber_profile",
+        [
+            result(
+                "Subscriber.receive, batches per CPU second (vs a bare receive loop)",
+                round(1e6 / sub_us),
+                "batches/s",
+                round(1e6 / raw_us),
+            ),
+            result("Subscriber.receive, CPU per batch", round(sub_us, 3), "us"),
+            result("bare receive loop, CPU per batch", round(raw_us, 3), "us"),
+        ],
+    )
 
 
 if __name__ == "__main__":
