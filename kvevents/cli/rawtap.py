@@ -29,7 +29,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.capture import FLAG_MALFORMED, FLAG_UNDECODABLE, CaptureWriter, pack_parts
 from kvevents.codec import BatchDecoder
@@ -43,12 +42,12 @@ from kvevents.consumers.sources import (
     ZmqSource,
 )
 from kvevents.consumers.subscriber import worker_source
+from kvevents.consumers.zmq_source import MONITORED_EVENTS, drain_monitor_events
 from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
 from kvevents.errors import CaptureError, ConfigError, DecodeError
 
 __all__ = ["FrameRecorder", "RecordingSource"]
 
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 _REDIAL_AFTER_S = 0.5
 _RELAY_IDS = itertools.count()
 
@@ -177,7 +176,7 @@ class RecordingSource:
         self._live.setsockopt(zmq.MAXMSGSIZE, max_message_size or -1)
         self._live.setsockopt(zmq.SUBSCRIBE, topic)
         enable_ipv6_if_needed(self._live, endpoint)
-        self._monitor: zmq.Socket[bytes] = self._live.get_monitor_socket(_MONITORED)
+        self._monitor: zmq.Socket[bytes] = self._live.get_monitor_socket(MONITORED_EVENTS)
         # The relay: every message read is passed on unchanged, nothing dropped (no
         # high-water mark: it is drained by the same thread right after).
         self._relay: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
@@ -255,7 +254,9 @@ class RecordingSource:
         if self._closed:
             return out
         now = time.time()
-        for event in _events(self._monitor):  # a reconnect is known before what it brought
+        for event in drain_monitor_events(
+            self._monitor
+        ):  # a reconnect is known before what it brought
             if event == zmq.EVENT_CONNECT_RETRIED:
                 self.redial_at = None  # libzmq reconnects by itself
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -323,14 +324,3 @@ class RecordingSource:
 
     def __repr__(self) -> str:
         return f"RecordingSource({self.endpoint!r})"
-
-
-def _events(mon: zmq.Socket[bytes]) -> list[int]:
-    """Drain a monitor socket without blocking: the event numbers."""
-    out: list[int] = []
-    while True:
-        try:
-            msg = recv_monitor_message(mon, zmq.NOBLOCK)
-        except zmq.Again:
-            return out
-        out.append(int(msg["event"]))

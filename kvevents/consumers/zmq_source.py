@@ -32,7 +32,12 @@ from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
 from kvevents.errors import ConfigError
 from kvevents.security import CurveClientConfig, apply_curve_client
 
-__all__ = ["DEFAULT_MAX_MESSAGE_SIZE_BYTES", "ZmqSource"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE_BYTES",
+    "MONITORED_EVENTS",
+    "ZmqSource",
+    "drain_monitor_events",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,10 @@ DEFAULT_MAX_MESSAGE_SIZE_BYTES = 64 * 1024 * 1024
 """Default ``ZMQ_MAXMSGSIZE`` of a :class:`ZmqSource`'s sockets (64 MiB): a frame above
 it is refused by ZMQ, which drops the connection (counted; it reconnects)."""
 
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+MONITORED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+)
+"""The socket-monitor events a live SUB is watched for (connected, dropped, retrying)."""
 _REDIAL_AFTER_S = 0.5
 """After a drop with no reconnect attempt by libzmq within this long, dial again."""
 
@@ -123,7 +131,7 @@ class ZmqSource:
             raise
         enable_ipv6_if_needed(self._sub, endpoint)
         self._monitor: zmq.Socket[bytes] | None = (
-            self._sub.get_monitor_socket(_MONITORED) if monitor else None
+            self._sub.get_monitor_socket(MONITORED_EVENTS) if monitor else None
         )
         self._want_monitor = monitor
         self.bound_endpoint: str | None = None
@@ -201,7 +209,7 @@ class ZmqSource:
         now = time.time()
         # Connection events first: a reconnect must be known before what it delivered.
         if self._monitor is not None:
-            for event in _events(self._monitor):
+            for event in drain_monitor_events(self._monitor):
                 if event == zmq.EVENT_CONNECT_RETRIED:
                     self.redial_at = None  # libzmq reconnects by itself
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -247,7 +255,7 @@ class ZmqSource:
                 out.append(msg)
             # After the replies: those already read arrived before the drop.
             if mon is not None:
-                for event in _events(mon):
+                for event in drain_monitor_events(mon):
                     if event == zmq.EVENT_DISCONNECTED:
                         out.append(
                             SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
@@ -328,7 +336,7 @@ class ZmqSource:
         return f"ZmqSource({self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
 
 
-def _events(mon: zmq.Socket[bytes]) -> list[int]:
+def drain_monitor_events(mon: zmq.Socket[bytes]) -> list[int]:
     """Drain a monitor socket without blocking: the event numbers."""
     out: list[int] = []
     while True:
