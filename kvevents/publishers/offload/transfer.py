@@ -16,7 +16,9 @@ split into runs of consecutive rows, either on the destination side (one NumPy
 src[run]`` per run), whichever gives fewer calls; there is no Python loop per block.
 NumPy's row gather/scatter moves each row as one contiguous block (torch's CPU
 ``index_copy_`` ran at ~0.7x of a plain copy).  Rows are viewed with the widest integer
-type that tiles a page.  On CUDA the blocks are gathered on the device, and each run is
+type that tiles a page.  A large CPU transfer is split into shares of about equal rows
+copied on ``copy_threads`` threads at once (as torch's own CPU copy uses its intra-op
+threads; NumPy releases the GIL while it copies).  On CUDA the blocks are gathered on the device, and each run is
 one asynchronous copy on a side stream that waits for the compute stream; transfers stay in submission
 order and report their device time.
 
@@ -32,6 +34,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +161,24 @@ class TransferStats:
 
 
 Runs = list[tuple[int, int, int]]  # (destination start, index start, length)
+# (source array, destination array, run start, run end, index array); see _copy_cpu
+_Piece = tuple[npt.NDArray[Any], npt.NDArray[Any], int, int, npt.NDArray[np.int64]]
+# A CPU transfer uses one more copy thread per this many bytes (up to ``copy_threads``):
+# below it, handing work to a thread costs more than it saves.
+_MIN_BYTES_PER_THREAD = 4 << 20
+
+
+def _copy_pieces(pieces: list[_Piece], gather: bool) -> None:
+    """Run the row copies of ``pieces``: gathers (``take`` into a run of destination
+    rows) or scatters (a run of source rows into indexed destination rows)."""
+    if gather:
+        # ``mode="clip"`` only skips NumPy's bounds pass (and its buffered ``out``):
+        # every index was range-checked by ``_plan``.
+        for src, dst, lo, hi, idx in pieces:
+            np.take(src, idx, axis=0, out=dst[lo:hi], mode="clip")
+    else:
+        for src, dst, lo, hi, idx in pieces:
+            dst[idx] = src[lo:hi]
 
 
 def _runs(
@@ -219,7 +240,15 @@ class CPUTransferWorker:
         *,
         pin_memory: bool | None = None,
         buffers: HostChunkBuffers | None = None,
+        copy_threads: int | None = None,
     ) -> None:
+        if copy_threads is not None and copy_threads < 1:
+            raise OffloadError("copy_threads must be at least 1")
+        #: Threads a large CPU transfer may use (default: ``torch.get_num_threads()``,
+        #: the threads torch's own CPU copies use); CUDA transfers ignore it.
+        self.copy_threads = copy_threads or max(1, torch.get_num_threads())
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         if buffers is None:
             if kv_caches is None:
                 raise OffloadError("give kv_caches and num_chunks, or buffers")
@@ -300,18 +329,50 @@ class CPUTransferWorker:
         gather = gather or np.unique(src_pos).size != src_pos.size
         runs, idx = (gather_runs, gather_idx) if gather else (scatter_runs, scatter_idx)
         idx_np = idx.numpy()
-        bounds = [(first, first + length, start, start + length) for first, start, length in runs]
+        nbytes = plan.num_blocks * self.buffers.bytes_per_block
+        threads = max(1, min(self.copy_threads, nbytes // _MIN_BYTES_PER_THREAD))
+        # Pieces of at most ``step`` rows per (tensor, run); their destinations are
+        # distinct, so they may run on several threads at once (NumPy releases the GIL
+        # while it copies).
+        step = -(-plan.num_blocks // threads) if threads > 1 else plan.num_blocks
+        pieces: list[_Piece] = []
         for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
             dev_np, host_np = dev.detach().numpy(), host.numpy()
             src, dst = (dev_np, host_np) if store else (host_np, dev_np)
-            if gather:
-                # ``mode="clip"`` only skips NumPy's bounds pass (and its buffered
-                # ``out``): every index was range-checked by ``_plan``.
-                for lo, hi, a, b in bounds:
-                    np.take(src, idx_np[a:b], axis=0, out=dst[lo:hi], mode="clip")
-            else:
-                for lo, hi, a, b in bounds:
-                    dst[idx_np[a:b]] = src[lo:hi]
+            for first, start, length in runs:
+                for off in range(0, length, step):
+                    n = min(step, length - off)
+                    pieces.append(
+                        (
+                            src,
+                            dst,
+                            first + off,
+                            first + off + n,
+                            idx_np[start + off : start + off + n],
+                        )
+                    )
+        if threads == 1:
+            _copy_pieces(pieces, gather)
+            return
+        # ``threads`` shares of about equal rows, in order.
+        total = plan.num_blocks * len(self.buffers.device_words)
+        shares: list[list[_Piece]] = [[] for _ in range(threads)]
+        done = 0
+        for piece in pieces:
+            shares[min(threads - 1, done * threads // total)].append(piece)
+            done += piece[3] - piece[2]
+        pool = self._pool
+        if pool is None or self._pool_size < threads - 1:
+            if pool is not None:
+                pool.shutdown(wait=False)
+            pool = self._pool = ThreadPoolExecutor(
+                threads - 1, thread_name_prefix="kvevents-offload-copy"
+            )
+            self._pool_size = threads - 1
+        futures = [pool.submit(_copy_pieces, share, gather) for share in shares[1:]]
+        _copy_pieces(shares[0], gather)
+        for future in futures:
+            future.result()
 
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")
@@ -424,6 +485,13 @@ class CPUTransferWorker:
         for job in list(self._jobs):
             if job.end_event is not None and (wanted is None or job.job_id in wanted):
                 job.end_event.synchronize()
+
+    def close(self) -> None:
+        """Stop the copy threads of CPU transfers (a later transfer starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+            self._pool_size = 0
 
     @property
     def num_pending(self) -> int:

@@ -211,6 +211,32 @@ def test_load_gathers_when_scattering_needs_many_more_calls() -> None:
         assert same_bytes(dev[dst], orig[src])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("layers_n", [1, 2])
+def test_large_transfers_on_several_threads_are_exact(threads: int, layers_n: int) -> None:
+    # 64 KiB pages, 160 blocks a transfer: 10-20 MiB, so the copy is split over threads
+    # (one tensor and one run of consecutive chunks included: the run itself is split).
+    gen = torch.Generator().manual_seed(threads * 10 + layers_n)
+    layers = [torch.randn((320, 16384), generator=gen) for _ in range(layers_n)]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=100, blocks_per_chunk=2, copy_threads=threads)
+    src = torch.randperm(320, generator=gen)[:160].tolist()
+    dst = [b for b in range(320) if b not in set(src)][:160]
+    for chunk_ids in (torch.randperm(100, generator=gen)[:80].tolist(), list(range(10, 90))):
+        worker.submit_store(0, src, CPULoadStoreSpec(chunk_ids))
+        worker.submit_load(1, CPULoadStoreSpec(chunk_ids), dst)
+        assert [r.success for r in worker.get_finished()] == [True, True]
+        for dev, orig in zip(layers, originals):
+            assert same_bytes(dev[dst], orig[src])
+            assert same_bytes(dev[src], orig[src])  # the sources were not written
+            dev[dst] = 0
+    assert worker._pool is not None  # the copies did run on the pool
+    worker.close()
+    assert worker._pool is None
+    with pytest.raises(OffloadError, match="copy_threads"):
+        CPUTransferWorker(layers, num_chunks=2, copy_threads=0)
+
+
 def test_partial_first_chunk_skip() -> None:
     layers = kv_layers("cpu", num_blocks=8, layers=1)
     worker = CPUTransferWorker(layers, num_chunks=2, blocks_per_chunk=4)
