@@ -214,3 +214,63 @@ def test_wildcard_endpoint_binds_for_a_publisher_that_connects_out(wildcard):
             assert got[0].kind == "live"
     finally:
         src.close()
+
+
+def test_a_read_of_large_messages_stops_at_its_byte_budget_and_nothing_is_left_behind():
+    """A read of the live socket stops after about 64 KiB of payloads (the decoded
+    batches of one read are held until taken); the messages after it come with the
+    next reads, in order, and a Subscriber over such a stream delivers every batch."""
+    import time
+
+    import zmq
+
+    from kvevents.codec import pack_live
+    from kvevents.consumers.source_protocol import LIVE
+    from kvevents.events import BlockStored, KVEventBatch
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    # about 40 KiB each: two of them pass the 64 KiB budget
+    batches = [
+        KVEventBatch(
+            float(i),
+            [BlockStored([i], None, list(range(100_000, 100_000 + 8_000)), 16, None, "GPU", None)],
+        )
+        for i in range(12)
+    ]
+    payloads = [encode_batch(b) for b in batches]
+    assert all(40_000 < len(p) < 50_000 for p in payloads)
+    src = ZmqSource(endpoint)
+    try:
+        assert pub.poll(5000), "no subscription"
+        pub.recv()
+        for seq, p in enumerate(payloads):
+            pub.send_multipart(pack_live(b"kv", seq, p))
+        got: list[int] = []
+        end = time.monotonic() + 10
+        while len(got) < len(payloads) and time.monotonic() < end:
+            zmq.select(list(src.sockets()), [], [], 0.5)
+            msgs = [m for m in src.receive(256) if m.kind == LIVE]
+            assert len(msgs) <= 2
+            got += [m.seq for m in msgs]
+        assert got == list(range(len(payloads)))
+    finally:
+        src.close()
+        pub.close(0)
+
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Subscriber(f"tcp://127.0.0.1:{port}", rcvhwm=0, catch_up=False) as sub:
+            assert pub.poll(5000), "no subscription"
+            pub.recv()
+            for seq, p in enumerate(payloads):
+                pub.send_multipart(pack_live(b"kv", seq, p))
+            items = drain(sub, lambda xs: sum(isinstance(x, ReceivedBatch) for x in xs) == 12)
+            assert [x.batch for x in items if isinstance(x, ReceivedBatch)] == batches
+    finally:
+        pub.close(0)

@@ -1,0 +1,293 @@
+"""Interpreter floors: the least CPython work each router-side goal needs, next to ours.
+
+For four of the one-router-for-a-thousand-engines goals, this script measures in one run
+(a) the project's own figure, (b) a *floor*: a bare loop doing only the irreducible part
+of the same work with the same C building blocks (msgspec's typed decode, a dict lookup
+per key, one result object per worker, one dict entry per record), and (c) the goal.
+When the floor itself misses the goal, no rearrangement of the Python code can meet it:
+only a compiled core (or doing less work) can.
+
+* ``apply``: block-events/s from msgpack bytes (``benchmarks/index.py``'s 4-engine
+  stream).  Floor: the typed decode of the same bytes plus one dict write or pop per
+  hash.  Goal: 3 M/s.
+* ``find_matches``: ms for an 8k-token prompt over 1,000 workers that all hold it.
+  Floor: the prompt's 512 content keys, one dict lookup and one ``&`` per key on a
+  1,000-bit worker set, and one ``Match`` per worker in the result dict.  Goal: p99
+  0.4 ms.
+* ``subscriber``: CPU us per 2-event batch (``benchmarks/subscriber.py``'s traffic).
+  Floor: a bare receive loop that also decodes each payload (no sequence tracking, no
+  result record).  Goal: the subscriber at 0.7x a bare receive loop's rate.
+* ``memory``: bytes per resident (block, worker, tier) entry.  Floor: a dict from a
+  64-bit hash to a 60-bit packed record (the least a hash-keyed per-worker table holds
+  in CPython).  Goal: 100 B.
+
+Run: ``python benchmarks/floors.py [--quick]``.  Rows ``ours`` compare with the floor
+measured in the same run; rows ``floor`` compare with the goal (a constant).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import best_rate, parse_args, report, result
+from index import BPC, bench_memory, engine_stream, populate
+from subscriber_profile import run_raw, run_subscriber
+
+from kvevents.codec import BatchDecoder, encode_batch
+from kvevents.consumers.content import prompt_keys
+from kvevents.consumers.index import BlockIndex
+from kvevents.consumers.router import Match, Router
+from kvevents.events import BlockRemoved, BlockStored
+
+APPLY_GOAL = 3_000_000.0  # block-events/s
+FIND_GOAL_MS = 0.4  # p99, 8k tokens x 1,000 workers
+SUB_GOAL = 0.7  # x a bare receive loop's rate
+MEMORY_GOAL = 100.0  # bytes per (block, worker, tier)
+
+
+def bench_apply(quick: bool) -> list[dict[str, Any]]:
+    streams = [engine_stream(60 if quick else 600, seed) for seed in range(4)]
+    payloads = [[encode_batch(b) for b in s] for s in streams]
+    total = sum(len(e.block_hashes) for s in streams for b in s for e in b.events)  # type: ignore[union-attr]
+    kw: dict[str, Any] = {"repeat": 1 if quick else 5, "min_time": 0.05 if quick else 0.5}
+    decoder = BatchDecoder()
+
+    def ours() -> int:
+        index = BlockIndex(blocks_per_chunk=BPC)
+        for e, ps in enumerate(payloads):
+            for p in ps:
+                index.apply("engine", e, decoder.decode(p))
+        return total
+
+    def floor() -> int:
+        tables: list[dict[tuple[str, int], dict[int, int]]] = [{} for _ in payloads]
+        for e, ps in enumerate(payloads):
+            table = tables[e]
+            for p in ps:
+                for ev in decoder.decode(p).events:
+                    t = table.get((ev.medium, ev.group_idx))  # type: ignore[union-attr]
+                    if t is None:
+                        t = table[(ev.medium, ev.group_idx)] = {}  # type: ignore[union-attr]
+                    if type(ev) is BlockStored:
+                        for h in ev.block_hashes:
+                            t[h] = 1  # type: ignore[index]
+                    elif type(ev) is BlockRemoved:
+                        for h in ev.block_hashes:
+                            t.pop(h, None)  # type: ignore[arg-type]
+        return total
+
+    gc.collect()
+    ours_rate = best_rate(ours, **kw)
+    floor_rate = best_rate(floor, **kw)
+    return [
+        result("apply, decode included: ours (vs floor)", ours_rate, "block-events/s", floor_rate),
+        result("apply, decode included: floor (vs goal)", floor_rate, "block-events/s", APPLY_GOAL),
+    ]
+
+
+def bench_find(quick: bool) -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    workers = 100 if quick else 1000
+    prompt = [rng.randrange(50_000) for _ in range(8192)]
+    index = populate(workers, prompt, rng, 1)
+    router = Router(index)
+    router.find_matches(prompt)
+    keys = prompt_keys(prompt, 16)
+    everyone = (1 << workers) - 1
+    held = {k: everyone for k in keys}  # the best case for the walk: no worker drops out
+    names = [("w", w) for w in range(workers)]
+    n_tokens = 16 * len(keys)
+
+    def floor_once() -> None:
+        ks = prompt_keys(prompt, 16)
+        alive = everyone
+        get = held.get
+        for k in ks:
+            v = get(k)
+            if v is None:
+                break
+            alive &= v
+
+    def floor_build() -> None:
+        {w: Match(n_tokens, 0, 0) for w in names}
+
+    reps = 20 if quick else 300
+    gc.collect()
+    ours_s, floor_s, build_s = [], [], []
+    for _ in range(reps):  # alternately, so the machine's drift hits all three
+        t0 = time.perf_counter()
+        router.find_matches(prompt)
+        t1 = time.perf_counter()
+        floor_once()
+        t2 = time.perf_counter()
+        floor_build()
+        t3 = time.perf_counter()
+        ours_s.append(t1 - t0)
+        floor_s.append(t3 - t1)  # the walk, then a Match object per worker
+        build_s.append(t3 - t2)
+    for s in (ours_s, floor_s, build_s):
+        s.sort()
+
+    def pct(s: list[float], q: float) -> float:
+        return s[min(len(s) - 1, int(len(s) * q))] * 1e3
+
+    label = f"find_matches 8k tok x {workers} w, all hold it"
+    return [
+        result(f"{label}: ours p50 (vs floor p50)", pct(ours_s, 0.5), "ms", pct(floor_s, 0.5)),
+        result(f"{label}: ours p99 (vs floor p99)", pct(ours_s, 0.99), "ms", pct(floor_s, 0.99)),
+        result(f"{label}: floor p50 (vs goal)", pct(floor_s, 0.5), "ms", FIND_GOAL_MS),
+        result(f"{label}: floor's Match per worker p50", pct(build_s, 0.5), "ms"),
+        result(
+            "content keys of the 8k-token prompt p50",
+            _best_ms(lambda: prompt_keys(prompt, 16), reps),
+            "ms",
+        ),
+    ]
+
+
+def bench_select_loads(quick: bool) -> list[dict[str, Any]]:
+    """``select`` with a load per worker must read every load once: that alone, against
+    ``find_matches`` (1 % of the fleet holds the prompt), sampled alternately."""
+    rng = random.Random(11)
+    workers = 100 if quick else 1000
+    prompt = [rng.randrange(50_000) for _ in range(8192)]
+    index = populate(workers, prompt, rng, 100)
+    router = Router(index)
+    loads = {wid: float(rng.randrange(8)) for wid in index.workers()}
+    router.select(prompt, loads)
+    reps = 20 if quick else 300
+    find_s, read_s = [], []
+    gc.collect()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        router.find_matches(prompt)
+        t1 = time.perf_counter()
+        min(map(float, loads.values()))  # one C-level pass over the loads
+        t2 = time.perf_counter()
+        find_s.append(t1 - t0)
+        read_s.append(t2 - t1)
+    f = sorted(find_s)[reps // 2] * 1e3
+    r = sorted(read_s)[reps // 2] * 1e3
+    label = f"select with loads 8k tok x {workers} w, 1% hold it"
+    return [
+        result(
+            f"{label}: floor, find_matches + one pass over the loads (vs goal)",
+            (f + r) / f,
+            "x find_matches",
+            1.1,
+        ),
+        result(f"{label}: one pass over the loads p50 (vs find_matches p50)", r, "ms", f),
+    ]
+
+
+def _best_ms(fn: Any, reps: int) -> float:
+    s = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        s.append(time.perf_counter() - t)
+    s.sort()
+    return s[len(s) // 2] * 1e3
+
+
+def run_raw_decode(n: int) -> float:
+    """``run_raw``'s loop, decoding each payload as well: CPU us per batch."""
+    import zmq
+    from subscriber_profile import _pub, _send
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub, ep = _pub(ctx)
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(ep)
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    _send(pub, n)
+    time.sleep(0.3)  # let the I/O thread move the frames (not a synchronisation)
+    decode = BatchDecoder().decode
+    got = 0
+    t0 = time.thread_time()
+    while got < n:
+        for sock, _ in poller.poll(5000):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                decode(frames[2])
+                got += 1
+    cpu = time.thread_time() - t0
+    s.close(0)
+    pub.close(0)
+    ctx.term()
+    return cpu / n * 1e6
+
+
+def bench_subscriber(quick: bool) -> list[dict[str, Any]]:
+    n = 5_000 if quick else 30_000
+    rounds = 1 if quick else 3
+    raw, floor, ours = [], [], []
+    for _ in range(rounds):  # alternately; best CPU time of each
+        raw.append(run_raw(n))
+        floor.append(run_raw_decode(n))
+        ours.append(run_subscriber(n))
+    r, f, o = min(raw), min(floor), min(ours)
+    # rates relative to the bare loop: rate = 1 / (us per batch)
+    return [
+        result("subscriber: ours, rate vs bare receive loop", r / o, "x raw", SUB_GOAL),
+        result("subscriber: floor (receive + decode), rate vs bare loop", r / f, "x raw", SUB_GOAL),
+        result("subscriber: CPU us per batch, ours (vs floor)", o, "us", f),
+        result("subscriber: CPU us per batch, bare receive loop", r, "us"),
+    ]
+
+
+def bench_floor_memory(quick: bool) -> list[dict[str, Any]]:
+    rng = random.Random(11)
+    n = 20_000 if quick else 200_000
+    hashes = [rng.getrandbits(64) for _ in range(n)]
+    records = [rng.getrandbits(60) | (1 << 59) for _ in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    table = {h: r for h, r in zip(hashes, records)}  # keys and records are counted below
+    used_table = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del table
+    # The int objects themselves were allocated before tracing: count them as a table
+    # built from wire bytes would hold them (each is its own object).
+    per_entry = used_table / n + sys.getsizeof(hashes[0]) + sys.getsizeof(records[0])
+    ours = bench_memory(quick)
+    out = []
+    for row in ours:
+        out.append(
+            result(f"memory: ours, {row['metric']} (vs floor)", row["value"], "B", per_entry)
+        )
+    out.append(
+        result("memory: floor, dict of hash -> record (vs goal)", per_entry, "B", MEMORY_GOAL)
+    )
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    rows = []
+    rows += bench_apply(args.quick)
+    rows += bench_find(args.quick)
+    rows += bench_select_loads(args.quick)
+    rows += bench_subscriber(args.quick)
+    rows += bench_floor_memory(args.quick)
+    report("floors", rows)
+
+
+if __name__ == "__main__":
+    main()
