@@ -50,7 +50,7 @@ from kvevents.consumers.subscriber.options import (
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
 from kvevents.consumers.subscriber.replies import ReplyRouter
-from kvevents.consumers.subscriber.streams import HeldBatch
+from kvevents.consumers.subscriber.streams import HeldBatch, fingerprint
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
@@ -365,7 +365,7 @@ class SubscriberCore:
         st = self._streams.get(key) or table.open(key, src, topic, now)
         tracker = st.tracker
         item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
-        fp = hash(payload)
+        fp = fingerprint(payload)
         if inband:
             if self._inband.live(key, tracker, msg, item, fp):
                 return

@@ -14,7 +14,7 @@ from kvevents.consumers.source_protocol import Source, SourceMessage
 from kvevents.consumers.subscriber.liveness import Liveness
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
-from kvevents.consumers.subscriber.streams import HeldBatch
+from kvevents.consumers.subscriber.streams import HeldBatch, fingerprint
 from kvevents.consumers.subscriber.table import StreamTable
 
 __all__ = ["ReplyRouter"]
@@ -87,7 +87,9 @@ class ReplyRouter:
             replay_id = job.replay_id
         st = self.streams[key]
         self.liveness.heard(st, now)
-        self.outbox.apply(key, st.tracker.replayed(replay_id, msg.seq, item, hash(msg.payload)))
+        self.outbox.apply(
+            key, st.tracker.replayed(replay_id, msg.seq, item, fingerprint(msg.payload))
+        )
         if job.replies > sched.max_replay_batches:
             sched.abandon(ck, f"replay sent over {sched.max_replay_batches} batches")
         elif job.catch_up is None and (
