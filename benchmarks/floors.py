@@ -253,7 +253,9 @@ def bench_subscriber(quick: bool) -> list[dict[str, Any]]:
 
 def bench_floor_memory(quick: bool) -> list[dict[str, Any]]:
     rng = random.Random(11)
-    n = 20_000 if quick else 200_000
+    # as many entries as ``index.bench_memory``'s index holds (workers x (blocks +
+    # chunks)): a dict's bytes per entry depend on where it stands in its growth
+    n = 20 * (40 + 5) if quick else 100 * (400 + 50)
     hashes = [rng.getrandbits(64) for _ in range(n)]
     records = [rng.getrandbits(60) | (1 << 59) for _ in range(n)]
     gc.collect()
