@@ -13,9 +13,9 @@ parses it exactly as it would off the network and owns the replay (DEALER) side.
 subscriber on top sees the same stream and repairs gaps the same way, while the capture
 holds the frames in arrival order rather than in the order the subscriber delivers them
 after a replay.  Replay replies are written as the source reads them (flagged
-``replayed``); a malformed reply is written flagged, without its bytes (the ZMQ source
-does not keep them).  Connection events of the relay link are dropped and those of the
-live socket reported in their place.
+``replayed``); a malformed reply is written flagged, with every part byte for byte.
+Connection events of the relay link are dropped and those of the live socket reported in
+their place.
 
 May import pyzmq, :mod:`kvevents.capture`, :mod:`kvevents.codec`,
 :mod:`kvevents.endpoints` and the public names of :mod:`kvevents.consumers`.
@@ -91,7 +91,7 @@ class FrameRecorder:
             topic = msg.topic
             self._batch(worker_source(name, topic), topic, msg.seq, msg.payload, msg.recv_ts, True)
         elif msg.kind == BAD_FRAME:
-            self._malformed(name, msg.topic, [], msg.recv_ts, True)
+            self._malformed(name, msg.topic, list(msg.parts), msg.recv_ts, True)
 
     def _out(self) -> CaptureWriter:
         if self.writer is None:  # a caller's mistake: frames must never be dropped

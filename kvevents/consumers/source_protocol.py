@@ -43,7 +43,9 @@ class SourceMessage:
     capture holds many publishers), else ``""``.  ``recv_ts`` is the wall-clock receive
     time in seconds since the epoch.  ``replayed`` marks a live-path message that was
     obtained through replay when it was recorded.  ``detail`` explains a bad frame.
-    ``channel`` is the replay endpoint a replay message came through.
+    ``channel`` is the replay endpoint a replay message came through.  ``parts`` holds
+    a bad frame's message parts as read, byte for byte, when the source keeps them (the
+    ZMQ source does; a recorder writes them to its capture).
     """
 
     kind: str
@@ -55,6 +57,7 @@ class SourceMessage:
     replayed: bool = False
     detail: str = ""
     channel: str = ""
+    parts: tuple[bytes, ...] = ()
 
 
 @runtime_checkable

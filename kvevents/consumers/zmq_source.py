@@ -251,7 +251,11 @@ class ZmqSource:
                 if budget <= 0:
                     break
             else:
-                append(SourceMessage(BAD_FRAME, recv_ts=now, detail=_describe_live(frames)))
+                append(
+                    SourceMessage(
+                        BAD_FRAME, recv_ts=now, detail=_describe_live(frames), parts=tuple(frames)
+                    )
+                )
         for channel, (dealer, mon, topic) in list(self._dealers.items()):
             for _ in range(limit):
                 try:
@@ -376,11 +380,16 @@ def _parse_replay(frames: Sequence[bytes], now: float) -> SourceMessage:
             BAD_FRAME,
             recv_ts=now,
             detail=f"replay reply has {n} frame(s), expected [b'', (topic,) seq, payload]",
+            parts=tuple(frames),
         )
     if seq_frame == END_SEQ or not payload:
         return SourceMessage(REPLAY_END, topic, -1, b"", now)
     if len(seq_frame) != 8:
         return SourceMessage(
-            BAD_FRAME, recv_ts=now, detail=f"replay seq frame has {len(seq_frame)} bytes"
+            BAD_FRAME,
+            topic,
+            recv_ts=now,
+            detail=f"replay seq frame has {len(seq_frame)} bytes",
+            parts=tuple(frames),
         )
     return SourceMessage(REPLAY, topic, int.from_bytes(seq_frame, "big"), payload, now)

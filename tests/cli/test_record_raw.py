@@ -201,3 +201,44 @@ def test_an_arrival_order_capture_reads_back_in_stream_order(tmp_path: Path) -> 
         sub.close()
     assert got == list(range(7))
     assert kinds == ["gap"]
+
+
+def test_a_malformed_replay_reply_is_recorded_with_every_part(tmp_path: Path) -> None:
+    """A replay reply without the ``[b"", (topic,) seq, payload]`` shape reaches the
+    recorder with its parts (from a real ROUTER through the ZMQ source's DEALER), and the
+    capture keeps them byte for byte, flagged malformed and replayed."""
+    from kvevents.cli.rawtap import FrameRecorder
+    from kvevents.consumers.source_protocol import BAD_FRAME
+    from kvevents.inspection import describe_malformed
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    src = consumers.ZmqSource("tcp://127.0.0.1:1", replay_endpoint=f"tcp://127.0.0.1:{port}")
+    bad = [b"", b"kv", (5).to_bytes(8, "big"), GOOD[0], b"extra part"]
+    short_seq = [b"", b"kv", b"\x00\x05", GOOD[1]]
+    path = tmp_path / "replies.kvcap"
+    try:
+        src.request_replay(0)
+        assert router.poll(5000), "no replay request"
+        ident = router.recv_multipart()[0]
+        router.send_multipart([ident, *bad])
+        router.send_multipart([ident, *short_seq])
+        got: list[consumers.SourceMessage] = []
+        end = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < end:
+            zmq.select(list(src.sockets()), [], [], 0.5)
+            got += [m for m in src.receive(16) if m.kind == BAD_FRAME]
+        assert [list(m.parts) for m in got] == [bad, short_seq]
+        with CaptureWriter(path) as writer:
+            recorder = FrameRecorder(writer)
+            for m in got:
+                recorder.replayed("tcp://127.0.0.1:1", m)
+        assert recorder.malformed == 2
+    finally:
+        src.close()
+        router.close(0)
+    recs = list(read_capture(path).records)
+    assert [(r.malformed, r.replayed) for r in recs] == [(True, True), (True, True)]
+    assert [unpack_parts(r.payload) for r in recs] == [bad, short_seq]
+    assert describe_malformed(recs[0]).startswith("malformed replay reply: 5 part(s)")
