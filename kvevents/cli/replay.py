@@ -16,11 +16,17 @@ import time
 from collections import Counter
 from typing import Any
 
+from xxhash import xxh3_64_intdigest
+
 from kvevents.cli.common import print_anomaly, skipped_json, stop_on_signals, warn_skipped
 from kvevents.cli.progress import StatusLine, progress
 from kvevents.errors import ConfigError
 
 __all__ = ["cmd_replay"]
+
+# How many sent seqs per publisher ``replay --publish`` remembers to recognise a
+# replayed copy of a batch it already sent.
+_SENT_WINDOW = 1 << 16
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -200,7 +206,11 @@ def _replay_publish(args: argparse.Namespace) -> int:
         raise ConfigError("give one --replay-endpoint per --publish endpoint")
     decoder = BatchDecoder()
     publishers: dict[tuple[str, int], Any] = {}
-    last_seq: dict[tuple[str, int], int] = {}
+    # (source, rank) -> {seq: payload fingerprint} of the batches sent, the newest
+    # _SENT_WINDOW per publisher: a record is a duplicate only when the same seq with the
+    # same bytes was sent already (a replayed copy); a seq filled late by a replay, or
+    # reused after a publisher restart with other content, is sent.
+    sent_seqs: dict[tuple[str, int], dict[int, int]] = {}
     stop = threading.Event()
     status = StatusLine(sys.stderr, enabled=not args.quiet)
     sent = events = 0
@@ -227,11 +237,17 @@ def _replay_publish(args: argparse.Namespace) -> int:
                     continue
                 rank = batch.data_parallel_rank or 0
                 key = (rec.source, rank)
-                if rec.seq >= 0 and rec.seq <= last_seq.get(key, -1):
-                    skipped += 1
-                    skip_reasons["duplicate"] += 1
-                    continue
-                last_seq[key] = rec.seq
+                if rec.seq >= 0:
+                    seen = sent_seqs.setdefault(key, {})
+                    fp = xxh3_64_intdigest(rec.payload)
+                    if seen.get(rec.seq) == fp:
+                        skipped += 1
+                        skip_reasons["duplicate"] += 1
+                        continue
+                    seen.pop(rec.seq, None)  # (re)inserted as the newest
+                    seen[rec.seq] = fp
+                    if len(seen) > _SENT_WINDOW:
+                        del seen[next(iter(seen))]
                 pub = publishers.get(key)
                 if pub is None:
                     i = sources.index(rec.source)

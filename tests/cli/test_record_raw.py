@@ -242,3 +242,45 @@ def test_a_malformed_replay_reply_is_recorded_with_every_part(tmp_path: Path) ->
     assert [(r.malformed, r.replayed) for r in recs] == [(True, True), (True, True)]
     assert [unpack_parts(r.payload) for r in recs] == [bad, short_seq]
     assert describe_malformed(recs[0]).startswith("malformed replay reply: 5 part(s)")
+
+
+def test_replay_publish_sends_a_seq_filled_late_and_skips_only_true_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An arrival-order capture: live 0, 1, 3 (a gap), the replay's 2 (filling it) and
+    its copy of 3, then live 4, and a publisher restart (seq 0 again, other content).
+    ``replay --publish`` sends every distinct batch once, in the recorded order."""
+    src = "tcp://127.0.0.1:5557#kv"
+    restarted = encode_batch(make_batch(40))
+    recorded = [  # (seq, payload, replayed)
+        (0, GOOD[0], False),
+        (1, GOOD[1], False),
+        (3, GOOD[3], False),
+        (2, GOOD[2], True),
+        (3, GOOD[3], True),
+        (0, restarted, False),
+    ]
+    path = tmp_path / "late.kvcap"
+    with CaptureWriter(path) as w:
+        for seq, payload, replayed in recorded:
+            w.write(src, b"kv", seq, payload, recv_ts=1.0, replayed=replayed)
+    pub_ep = f"ipc://{tmp_path}/late.ipc"
+    sub = consumers.Subscriber([pub_ep])
+    rc: list[int] = []
+    args = ["replay", str(path), "--publish", pub_ep, "--max-rate", "--wait-subscribers", "1"]
+    runner = threading.Thread(target=lambda: rc.append(main([*args, "-q"])))
+    runner.start()
+    got: list[bytes] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < 5 and time.monotonic() < deadline:
+            item = sub.receive(timeout=0.1)
+            if isinstance(item, consumers.ReceivedBatch):
+                got.append(item.payload)
+    finally:
+        sub.close()
+        runner.join(timeout=30)
+    assert rc == [0]
+    assert got == [GOOD[0], GOOD[1], GOOD[3], GOOD[2], restarted]
+    err = capsys.readouterr().err
+    assert "republished 5 batches" in err and "duplicate x1" in err
