@@ -95,6 +95,12 @@ class CaptureRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
         return bool(self.flags & FLAG_UNDECODABLE)
 
     @property
+    def replay_end(self) -> bool:
+        """True for a recorded end of a replay: seq -1, an empty payload, flagged
+        ``replayed`` and nothing else (a reader of the capture ends the replay there)."""
+        return self.seq < 0 and self.replayed and not self.payload and not self.flags
+
+    @property
     def malformed(self) -> bool:
         """True if the message did not have the ``[topic, seq, payload]`` shape; its parts
         are in :attr:`payload` (see :func:`unpack_parts`)."""

@@ -174,10 +174,13 @@ def iter_events(
     """Decode each record's payload and yield its events in order.
 
     Undecodable payloads and malformed messages (:attr:`CaptureRecord.malformed`) are
-    skipped; when ``errors`` is given they are appended to it with the reason.
+    skipped; when ``errors`` is given they are appended to it with the reason.  Recorded
+    replay ends (:attr:`CaptureRecord.replay_end`) hold no events and are skipped.
     """
     dec = decoder or BatchDecoder()
     for rec in records:
+        if rec.replay_end:
+            continue
         if rec.malformed:
             if errors is not None:
                 errors.append((rec, describe_malformed(rec)))
@@ -299,6 +302,8 @@ class CaptureSummary:
     undecodable: int = 0
     malformed: int = 0
     """Records of messages without the ``[topic, seq, payload]`` shape (kept, flagged)."""
+    replay_ends: int = 0
+    """Recorded ends of replays (no batch)."""
     unknown_tags: Counter[str] = field(default_factory=Counter)
     placeholders: int = 0
     placeholders_joined: int = 0
@@ -317,7 +322,8 @@ class CaptureSummary:
             f"records {self.records}  batches {self.batches}  events {self.events}",
             f"seq gaps {self.seq_gaps} (missing {self.seq_missing})  duplicates {self.seq_duplicates}"
             f"  restarts {self.seq_restarts}  undecodable {self.undecodable}"
-            + (f"  malformed {self.malformed}" if self.malformed else ""),
+            + (f"  malformed {self.malformed}" if self.malformed else "")
+            + (f"  replay ends {self.replay_ends}" if self.replay_ends else ""),
             f"CPU/STORAGE placeholders {self.placeholders}, joined to a GPU store "
             f"{self.placeholders_joined}",
         ]
@@ -378,6 +384,9 @@ def summarize(
         if s.first_recv_ts is None:
             s.first_recv_ts = rec.recv_ts
         s.last_recv_ts = rec.recv_ts
+        if rec.replay_end:
+            s.replay_ends += 1
+            continue
         if rec.malformed:
             s.malformed += 1
             continue

@@ -13,7 +13,8 @@ parses it exactly as it would off the network and owns the replay (DEALER) side.
 subscriber on top sees the same stream and repairs gaps the same way, while the capture
 holds the frames in arrival order rather than in the order the subscriber delivers them
 after a replay.  Replay replies are written as the source reads them (flagged
-``replayed``); a malformed reply is written flagged, with every part byte for byte.
+``replayed``); a malformed reply is written flagged, with every part byte for byte, and
+the end of a replay as an end marker (seq -1, empty payload, flagged ``replayed``).
 Connection events of the relay link are dropped and those of the live socket reported in
 their place.
 
@@ -35,14 +36,18 @@ from kvevents.codec import BatchDecoder
 from kvevents.consumers.sources import (
     BAD_FRAME,
     CONNECTED,
-    DEFAULT_MAX_MESSAGE_SIZE,
     DISCONNECTED,
     REPLAY,
+    REPLAY_END,
     SourceMessage,
     ZmqSource,
 )
 from kvevents.consumers.subscriber import worker_source
-from kvevents.consumers.zmq_source import MONITORED_EVENTS, drain_monitor_events
+from kvevents.consumers.zmq_source import (
+    DEFAULT_MAX_MESSAGE_SIZE_BYTES,
+    MONITORED_EVENTS,
+    drain_monitor_events,
+)
 from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
 from kvevents.errors import CaptureError, ConfigError, DecodeError
 
@@ -86,12 +91,20 @@ class FrameRecorder:
 
     def replayed(self, name: str, msg: SourceMessage) -> None:
         """A message a replay (DEALER) socket of source ``name`` returned: a
-        :data:`~kvevents.consumers.sources.REPLAY` batch or a malformed reply."""
+        :data:`~kvevents.consumers.sources.REPLAY` batch, a malformed reply or the replay's
+        end marker."""
         if msg.kind == REPLAY:
             topic = msg.topic
             self._batch(worker_source(name, topic), topic, msg.seq, msg.payload, msg.recv_ts, True)
         elif msg.kind == BAD_FRAME:
             self._malformed(name, msg.topic, list(msg.parts), msg.recv_ts, True)
+        elif msg.kind == REPLAY_END and not self.full:
+            # the replay's end marker: seq -1, an empty payload, flagged replayed (a
+            # reader ends the recorded replay there, as the live subscriber did)
+            topic = msg.topic
+            self._out().write(
+                worker_source(name, topic), topic, -1, b"", recv_ts=msg.recv_ts, replayed=True
+            )
 
     def _out(self) -> CaptureWriter:
         if self.writer is None:  # a caller's mistake: frames must never be dropped
@@ -156,7 +169,7 @@ class RecordingSource:
         replay_by_topic: Mapping[str, str] | None = None,
         context: zmq.Context[Any] | None = None,
         rcvhwm: int = 100_000,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_message_size_bytes: int = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
         relay_timeout_s: float = 10.0,
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
@@ -173,7 +186,7 @@ class RecordingSource:
         self._live: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
         self._live.setsockopt(zmq.LINGER, 0)
         self._live.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._live.setsockopt(zmq.MAXMSGSIZE, max_message_size or -1)
+        self._live.setsockopt(zmq.MAXMSGSIZE, max_message_size_bytes or -1)
         self._live.setsockopt(zmq.SUBSCRIBE, topic)
         enable_ipv6_if_needed(self._live, endpoint)
         self._monitor: zmq.Socket[bytes] = self._live.get_monitor_socket(MONITORED_EVENTS)
@@ -200,7 +213,7 @@ class RecordingSource:
                 name=endpoint,
                 context=ctx,
                 rcvhwm=0,
-                max_message_size=max_message_size,
+                max_message_size_bytes=max_message_size_bytes,
             )
             # The relay's subscriber has joined once its subscription reaches the relay;
             # from then on nothing passed on is dropped.

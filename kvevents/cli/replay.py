@@ -227,7 +227,7 @@ def _replay_publish(args: argparse.Namespace) -> int:
             for rec in records:
                 if stop.is_set():
                     break
-                if rec.seq < 0 and rec.replayed and not rec.payload:
+                if rec.replay_end:
                     continue  # a recorded end-of-replay marker: nothing to send
                 try:
                     batch = decoder.decode(rec.payload)

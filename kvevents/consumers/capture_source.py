@@ -80,7 +80,7 @@ class CaptureSource:
                 self._reader.close()
                 break
             if rec.seq < 0:
-                if rec.replayed and not rec.payload:
+                if rec.replay_end:
                     out.append(
                         SourceMessage(REPLAY_END, rec.topic, -1, b"", rec.recv_ts, rec.source)
                     )

@@ -284,3 +284,42 @@ def test_replay_publish_sends_a_seq_filled_late_and_skips_only_true_copies(
     assert got == [GOOD[0], GOOD[1], GOOD[3], GOOD[2], restarted]
     err = capsys.readouterr().err
     assert "republished 5 batches" in err and "duplicate x1" in err
+
+
+def test_a_recorded_replay_end_marker_reads_back_as_the_live_session(tmp_path: Path) -> None:
+    """Recording a gap that replay only partly repairs: the capture holds the replay's
+    end marker, and reading it back reports the same gap and the same loss as the live
+    subscriber did (ended by the marker, not by the end of the file)."""
+    from kvevents.cli.rawtap import FrameRecorder, RecordingSource
+    from tests.consumers._zmq_helpers import FaultyPublisher, drain, summarize
+
+    path = tmp_path / "ended.kvcap"
+    writer = CaptureWriter(path)
+    recorder = FrameRecorder(writer)
+    with FaultyPublisher(buffer_steps=2) as pub:
+        src = RecordingSource(pub.endpoint, recorder, b"", pub.replay_endpoint)
+        with consumers.Subscriber([src]) as sub:
+            pub.wait_for_subscribers(pump=lambda: sub.receive(0.01))
+            pub.publish_many((make_batch(i) for i in range(5)), skip={1, 2})
+            live = drain(
+                sub, lambda xs: any(getattr(x, "kind", "") == "unrecoverable_loss" for x in xs)
+            )
+            live += drain(sub, lambda xs: any(getattr(x, "seq", -1) == 4 for x in xs))
+    writer.close()
+    markers = [r for r in read_capture(path).records if r.seq < 0 and not r.payload]
+    # one per replay: the catch-up from seq 0 when the publisher is first seen, the gap's
+    assert len(markers) == 2 and all(m.replayed for m in markers)
+    with consumers.Subscriber([consumers.CaptureSource(str(path))]) as again_sub:
+        again = list(again_sub)
+
+    def anomalies(items: list[Any]) -> list[tuple[str, int | None, int | None]]:
+        return [
+            (x.kind, x.first_seq, x.last_seq) for x in items if isinstance(x, consumers.Anomaly)
+        ]
+
+    assert anomalies(live) == [("gap", 1, 2), ("unrecoverable_loss", 1, 2)], summarize(live)
+    assert anomalies(again) == anomalies(live)
+    lost = [x for x in again if isinstance(x, consumers.Anomaly) and x.kind == "unrecoverable_loss"]
+    assert "capture ended" not in (lost[0].detail or "")
+    seqs = [x.seq for x in again if isinstance(x, consumers.ReceivedBatch)]
+    assert seqs == [x.seq for x in live if isinstance(x, consumers.ReceivedBatch)] == [0, 3, 4]

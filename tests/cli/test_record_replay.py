@@ -44,6 +44,8 @@ def recorded_seqs(path: Path) -> dict[tuple[str, int], int]:
     except Exception:  # header not written yet
         return {}
     for rec in got.records:
+        if rec.replay_end:
+            continue
         key = (rec.source, decode_batch(rec.payload).data_parallel_rank or 0)
         out[key] = max(out.get(key, -1), rec.seq)
     return out

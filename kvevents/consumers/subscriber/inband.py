@@ -66,11 +66,12 @@ class InbandReplays:
             return True
         return False
 
-    def end_job(self, key: StreamKey, job: ReplayJob) -> None:
-        """The recorded replay of ``key`` is over: it ended, or never came."""
+    def end_job(self, key: StreamKey, job: ReplayJob, *, marker: bool = False) -> None:
+        """The recorded replay of ``key`` is over: it ended (at its recorded end
+        ``marker``, or as live records followed its replies), or never came."""
         del self.jobs[key]
         tracker = self.streams[key].tracker
-        if job.replies:
+        if job.replies or marker:
             self.outbox.apply(key, tracker.replay_end(job.replay_id))
         else:  # a recording without the replay that answered: nothing to check it by
             self.outbox.apply(key, tracker.replay_failed(job.replay_id, "not in the capture"))
@@ -84,7 +85,7 @@ class InbandReplays:
             owned = st is not None and st.src is src
             mine = everything or key[0] == origin or key[0].startswith(origin + "#")
             if owned and mine and key in self.jobs:
-                self.end_job(key, job)
+                self.end_job(key, job, marker=not everything)
         if everything:
             for key, job in list(self.jobs.items()):
                 if self.streams[key].src is src:
