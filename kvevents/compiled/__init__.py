@@ -168,15 +168,15 @@ def active() -> bool:
 
 
 def describe() -> str:
-    """One line for ``kvevents --version`` and ``python -m kvevents.compiled status``."""
+    """Which build imports pick, in a few words (``kvevents --version`` shows it)."""
     st = status()
     if not st.present:
-        return "pure Python (no compiled core built)"
+        return "pure Python"
     if st.forced_pure:
-        return f"pure Python ({PURE_ENV} is set; a compiled core of {len(st.present)} modules is present)"
+        return f"pure Python: {PURE_ENV}=1"
     if st.stale:
-        return f"pure Python (the compiled core is stale: {st.stale[0]} changed since the build)"
-    return f"compiled core: {len(st.present)} of {len(MODULES)} modules (mypyc)"
+        return "pure Python: the compiled core is stale"
+    return f"compiled core: mypyc, {len(st.present)} modules"
 
 
 class _PureFinder(importlib.abc.MetaPathFinder):

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvevents.compiled import MODULES, describe
+from kvevents.compiled import MODULES, describe, status
+from kvevents.compiled.build import BuildError, build, clean
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,10 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="show mypyc's output")
     args = p.parse_args(argv)
     if args.command == "status":
+        st = status()
         print(describe())
+        for module in st.stale:
+            print(f"  changed since the build: {module}")
         return 0
-    from kvevents.compiled.build import BuildError, build, clean
-
     if args.command == "clean":
         print(f"removed {len(clean())} files")
         return 0
