@@ -5,8 +5,6 @@ and frame helpers, capture files, block hashing and the error hierarchy.  The en
 side lives in :mod:`kvevents.publishers`, the router side in :mod:`kvevents.consumers`.
 """
 
-# First: picks the compiled core or the pure modules before any of them is imported.
-import kvevents.compiled  # noqa: F401
 from kvevents.capture import (
     CAPTURE_FORMAT_VERSION,
     CaptureReader,

@@ -42,9 +42,8 @@ import pytest
 PACKAGE = "kvevents"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-CORE_PACKAGES = frozenset({"codec", "compiled"})
-"""Top-level packages that belong to the core (the codec; the optional compiled core's
-selection, which ``kvevents/__init__.py`` runs first)."""
+CORE_PACKAGES = frozenset({"codec"})
+"""Top-level packages that belong to the core (the codec, should it become a package)."""
 APP_TOP = frozenset({"cli", "__main__", "demo"})
 """Top-level modules or packages of the applications: the command line, and the demo
 (which drives ``kvevents serve`` in front of the simulator, so it sits above both).

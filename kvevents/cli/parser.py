@@ -67,11 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvevents",
         description="Record, inspect and replay vLLM KV-cache event streams; run the demo.",
     )
-    from kvevents.compiled import describe
-
-    # and which build runs: pure Python or the optional compiled core (kvevents.compiled)
-    version = f"kvevents {__version__} ({describe()})"
-    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--version", action="version", version=f"kvevents {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser(

@@ -26,9 +26,7 @@ QUICK = ["demo", "--quick", "--requests", "24", "--plot", ""]
 
 def test_version_and_python_dash_m() -> None:
     got = run_kvevents("--version")
-    version, _, build = got.stdout.strip().partition(" (")
-    assert got.returncode == 0 and version == f"kvevents {kvevents.__version__}"
-    assert build.startswith(("pure Python", "compiled core: "))  # which build runs
+    assert got.returncode == 0 and got.stdout.strip() == f"kvevents {kvevents.__version__}"
     got = run_kvevents("inspect", str(SAMPLE), "--limit", "1")
     assert got.returncode == 0 and "BlockStored" in got.stdout
 

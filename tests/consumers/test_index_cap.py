@@ -10,11 +10,9 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvevents import compiled
 from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.index.records import gpu_refs as _gpu
 from kvevents.consumers.index.records import parent_of as _parent
@@ -232,10 +230,6 @@ def test_self_describing_chunks_retire_their_inner_blocks() -> None:
     assert index.stats.metadata_evicted == 80_000 - 1_000
 
 
-@pytest.mark.skipif(
-    "kvevents.consumers.index.apply" in compiled.status().loaded,
-    reason="wraps a method of the index: the compiled core's classes forbid that (pure only)",
-)
 def test_a_stale_pending_entry_leaves_other_workers_on_the_fast_path() -> None:
     """One worker's placeholder waiting for a GPU store that never comes used to send
     every GPU store of every worker down the general (per-block) path."""

@@ -17,7 +17,6 @@ from collections import deque
 from itertools import islice, repeat
 from typing import Any
 
-from kvevents.compiled import mypyc_attr
 from kvevents.consumers.index.marks import TierMarks, unmark
 from kvevents.consumers.index.records import (
     CK_MASK,
@@ -37,7 +36,6 @@ from kvevents.consumers.index.workers import GroupState, WorkerTable
 __all__ = ["Eviction"]
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class Eviction:
     """Resident entry count, eviction order and eviction under ``max_blocks``.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from kvevents.compiled import mypyc_attr
 from kvevents.consumers.index.records import GPU_ONE, Hash, gpu_refs
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerTable
@@ -26,7 +25,6 @@ EntryKey = tuple[WorkerId, int, Hash]
 """One (worker, group, hash) entry."""
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class PendingTable:
     """Placeholder chunks waiting for their GPU store, oldest first.
 
@@ -104,7 +102,6 @@ class PendingTable:
             self.per_worker.pop(wid, None)
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class Retention:
     """Metadata records no tier holds, oldest first, at most ``limit`` of them.
 

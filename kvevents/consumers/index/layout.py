@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvevents.compiled import mypyc_attr
 from kvevents.consumers.index.workers import (
     IGNORED_KINDS,
     LOCAL_KINDS,
@@ -34,7 +33,6 @@ __all__ = [
 ]
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 @dataclass(frozen=True)
 class SpecGroup:
     """Groups a worker's hybrid lookup judges together (vLLM's SpecGroup: one spec)."""
@@ -49,7 +47,6 @@ class SpecGroup:
     slots: tuple[int, ...] = ()
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 @dataclass(frozen=True)
 class LookupPlan:
     """How vLLM would look a request up on one worker (see :mod:`kvevents.consumers.router`)."""
@@ -78,7 +75,6 @@ class LookupPlan:
     """EAGLE's drop of the last matched block."""
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 @dataclass
 class IndexLayout:
     """What the router's walk needs about slots (a slot is one worker's KV-cache group;

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvevents.compiled import mypyc_attr
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.join import PendingTable, Retention
 from kvevents.consumers.index.marks import TierMarks, drop_dup, mark, unmark
@@ -52,7 +51,6 @@ from kvevents.consumers.index.workers import (
 __all__ = ["RefRules"]
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class RefRules:
     """The index's feeding state and its refcount rules.
 

@@ -40,24 +40,16 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder()
 
 
-def _declared(klass: type) -> tuple[str, ...]:
-    """A class's own declared attributes: ``__slots__``, or for a class compiled by mypyc
-    (the optional compiled core, :mod:`kvevents.compiled`) ``__mypyc_attrs__``, since its
-    instances have neither slots nor a ``__dict__``."""
-    return tuple(getattr(klass, "__slots__", ())) + tuple(getattr(klass, "__mypyc_attrs__", ()))
-
-
 def _fields(obj: Any) -> list[str]:
-    """``obj``'s attributes, in sorted order."""
     cls = type(obj)
     names: list[str] = []
     for klass in reversed(cls.__mro__):
-        for s in _declared(klass):
+        for s in getattr(klass, "__slots__", ()):
             if s not in names and s not in ("__dict__", "__weakref__"):
                 names.append(s)
     if hasattr(obj, "__dict__"):
         names.extend(k for k in vars(obj) if k not in names)
-    return sorted(names)  # one order for both builds: the same object, the same bytes
+    return names
 
 
 def _pack_int_dict(d: dict[Any, Any]) -> list[Any] | None:
@@ -264,7 +256,7 @@ def _current_schema(schema: dict[str, list[str]]) -> list[str]:
         cls = _resolve(key)
         slots: list[str] = []
         for klass in reversed(cls.__mro__):
-            for s in _declared(klass):
+            for s in getattr(klass, "__slots__", ()):
                 if s not in slots and s not in ("__dict__", "__weakref__"):
                     slots.append(s)
         if dataclasses.is_dataclass(cls):

@@ -12,7 +12,6 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from kvevents.compiled import mypyc_attr
 from kvevents.consumers.index.records import GPU_ONE, Hash, Record, gpu_refs
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
@@ -72,7 +71,6 @@ KEYED_KINDS = PREFIX_INDEXABLE_SPEC_KINDS | SW_KINDS | LOCAL_KINDS
 hybrid lookup judges from their own blocks."""
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class GroupState:
     """Per (worker, KV-cache group) state: the group's slot, kind and tables.
 
@@ -121,7 +119,6 @@ class GroupState:
         return (m is not None and gpu_refs(m) > 0) or h in r[1] or h in r[2]
 
 
-@mypyc_attr(serializable=True)  # the snapshot rebuilds it without __init__
 class WorkerState:
     """One worker: its groups and its learned or configured settings."""
 
