@@ -173,25 +173,39 @@ class Eviction:
         feeding code keeps them up to date."""
         self.tracking = True
         self.watch = self.max_blocks
-        qg, qh = self.qgroups, self.qhashes
         slots = self.table.slots
         for slot in sorted(slots):
             gs = slots[slot][1]
             kids = gs.kids
             r1, r2 = gs.refs[1], gs.refs[2]
+            run: list[Hash] = []
             for h, m in gs.meta.items():
                 if gpu_refs(m) > 0 or h in r1 or h in r2:
                     p = parent_of(m)
                     if p is not None:
                         kids[p] = kids.get(p, 0) + 1
-                    qg.append(gs)
-                    qh.append(h)
-            for h in [*r1, *(h for h in r2 if h not in r1)]:
-                if h not in gs.meta:  # (held on CPU/STORAGE without a record)
-                    qg.append(gs)
-                    qh.append(h)
-        self.qlen = len(qh)
+                    run.append(h)
+            self.queue_run(gs, run)
+            meta = gs.meta  # (held on CPU/STORAGE without a record:)
+            self.queue_run(gs, [h for h in [*r1, *(h for h in r2 if h not in r1)] if h not in meta])
         self.qlimit = max(1 << 16, 4 * self.qlen)
+
+    def queue_run(self, gs: GroupState, run: list[Hash]) -> None:
+        """Queue the entries ``run`` of ``gs`` (first to be taken first) as one item."""
+        if not run:
+            return
+        item: QueueItem
+        if len(run) == 1:
+            item = run[0]
+        else:
+            run.reverse()  # (an item's hashes are taken from its end)
+            try:
+                item = array("Q", run)  # type: ignore[arg-type]
+            except (TypeError, OverflowError):
+                item = tuple(run)
+        self.qgroups.append(gs)
+        self.qhashes.append(item)
+        self.qlen += len(run)
 
     def unkid(self, gs: GroupState, p: Hash) -> None:
         """A resident entry whose parent is ``p`` stopped being resident."""
