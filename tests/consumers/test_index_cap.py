@@ -272,3 +272,47 @@ def test_no_eviction_bookkeeping_far_below_the_cap() -> None:
     index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(51, 61)), 50)]))
     assert index._tracking and len(gs.kids) == 59 and len(index) == 60
     check_bounds(index)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=stream_st, max_blocks=st.integers(1, 12), seed=st.integers(0, 1000))
+def test_a_restored_snapshot_goes_on_evicting_as_the_original(
+    stream: list[tuple[tuple[str, int], list[KVEvent]]], max_blocks: int, seed: int
+) -> None:
+    """Snapshots taken at random points (a GPU store's blocks part evicted, say) restore
+    the eviction state: the restored index evicts exactly what the original does."""
+    original = BlockIndex(blocks_per_chunk=2, max_blocks=max_blocks, gpu_metadata_retention=5)
+    restored = BlockIndex(blocks_per_chunk=2, max_blocks=max_blocks, gpu_metadata_retention=5)
+    rng = random.Random(seed)
+    for (source, rank), evs in stream:
+        original.apply(source, rank, KVEventBatch(0.0, evs))
+        restored.apply(source, rank, KVEventBatch(0.0, evs))
+        if rng.random() < 0.3:
+            restored = BlockIndex.restore(restored.snapshot())
+        assert held_entries(restored) == held_entries(original)
+    assert asdict(restored.stats) == asdict(original.stats)
+    assert restored.snapshot() == original.snapshot()
+
+
+def test_the_eviction_queue_holds_one_item_per_gpu_store() -> None:
+    """A GPU store's blocks are queued as one item (taken leaf first), not one per
+    block; a store whose blocks have all left is dropped from the queue whole."""
+    index = BlockIndex(max_blocks=100)
+    for c in range(7):  # 56 resident: the bookkeeping has started
+        index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(100 * c + 1, 100 * c + 9)), None)]))
+    assert index._tracking
+    before = len(index._qhashes)
+    for c in range(7, 12):
+        index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(100 * c + 1, 100 * c + 9)), None)]))
+    assert len(index._qhashes) == before + 5
+    assert [list(x) for x in index._qhashes[-5:]] == [
+        list(range(100 * c + 1, 100 * c + 9)) for c in range(7, 12)
+    ]
+    # over the cap, the oldest stores go first, each leaf first (the last one in part)
+    for c in range(12, 18):
+        index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(100 * c + 1, 100 * c + 9)), None)]))
+        check_bounds(index)
+    order = [h for c in range(18) for h in range(100 * c + 8, 100 * c, -1)]
+    evicted = index.stats.evicted_by_cap
+    assert evicted == 18 * 8 - len(index) and evicted % 8
+    assert {h for (_, _, h) in held_entries(index)} == set(order[evicted:])

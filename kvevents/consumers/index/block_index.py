@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvevents.consumers.index.apply import Feeder
+from kvevents.consumers.index.eviction import QueueItem
 from kvevents.consumers.index.join import EntryKey
 from kvevents.consumers.index.layout import IndexLayout, build_layout
 from kvevents.consumers.index.queries import block_info, held_content_keys, summary
@@ -307,7 +308,7 @@ class BlockIndex:
         return self._feed.cap.tracking
 
     @property
-    def _qhashes(self) -> list[Hash]:
+    def _qhashes(self) -> list[QueueItem]:
         return self._feed.cap.qhashes
 
     @property

@@ -13,9 +13,10 @@ and :mod:`.workers`.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
-from itertools import islice, repeat
-from typing import Any
+from itertools import islice
+from typing import Any, Union
 
 from kvevents.consumers.index.marks import TierMarks, unmark
 from kvevents.consumers.index.records import (
@@ -33,7 +34,12 @@ from kvevents.consumers.index.records import (
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerTable
 
-__all__ = ["Eviction"]
+__all__ = ["Eviction", "QueueItem"]
+
+QueueItem = Union[Hash, "array[int]", tuple[Hash, ...]]
+"""One item of the eviction queue: an entry's hash, or a GPU store's hashes in store
+order (root first), taken from the end (leaf first): an ``array("Q")`` when they are all
+unsigned 64-bit ints (as vLLM's are), else a tuple."""
 
 
 class Eviction:
@@ -46,15 +52,27 @@ class Eviction:
       tracking starts, then the cap);
     * ``tracking``: the eviction bookkeeping is on;
     * ``storing``: a GPU store is being applied (its blocks are queued at its end).
+
+    The eviction queue is two parallel lists, ``qgroups`` (the group) and ``qhashes``
+    (a :data:`QueueItem`: one hash, or one GPU store's hashes), read from item
+    ``qhead``, of whose hashes (a store's, from its end) ``qcut`` are already taken.
+    Its length in hashes, ``qlen``, counts the ``qtaken`` hashes already taken from its
+    front too: the queue is the same sequence of hashes as one item per block would
+    be, in fewer items.  A store's hashes in an array are plain numbers, not objects:
+    the queue keeps no hash object alive, and looking its hashes up touches no old
+    object (most of them have left the index by then).
     """
 
     __slots__ = (
         "marks",
         "max_blocks",
+        "qcut",
         "qgroups",
         "qhashes",
         "qhead",
+        "qlen",
         "qlimit",
+        "qtaken",
         "ready",
         "resident",
         "stats",
@@ -77,12 +95,16 @@ class Eviction:
         self.stats = stats
         self.resident = 0
         # The eviction queue: (group, hash) of each entry in the order it became resident
-        # (a GPU store's blocks leaf first), as two parallel lists read from qhead; stale
-        # items are skipped when reached.  ready: deferred entries whose last resident
-        # child went away (evicted before the queue).
+        # (a GPU store's blocks leaf first: one item per store, its hashes taken from the
+        # end), as two parallel lists read from qhead; stale hashes are skipped when
+        # reached.  ready: deferred entries whose last resident child went away (evicted
+        # before the queue).
         self.qgroups: list[GroupState] = []
-        self.qhashes: list[Hash] = []
+        self.qhashes: list[QueueItem] = []
         self.qhead = 0
+        self.qcut = 0
+        self.qtaken = 0
+        self.qlen = 0
         self.qlimit = 1 << 16
         self.ready: deque[tuple[GroupState, Hash]] = deque()
         self.storing = False
@@ -100,7 +122,8 @@ class Eviction:
                 gs.kids[p] = gs.kids.get(p, 0) + 1
         self.qgroups.append(gs)
         self.qhashes.append(h)
-        if len(self.qhashes) > self.qlimit:
+        self.qlen += 1
+        if self.qlen > self.qlimit:
             self.compact()
 
     def add_child(self, gs: GroupState, m: Record | None) -> None:
@@ -112,15 +135,27 @@ class Eviction:
                 gs.kids[p] = gs.kids.get(p, 0) + 1
 
     def queue_store(self, gs: GroupState, hashes: Any) -> None:
-        """Queue a GPU store's blocks for eviction, leaf first (they became resident
-        together, so each block goes before its parent), then enforce the cap (blocks
-        of an event being applied are not queued yet, so the cap is checked again)."""
+        """Queue a GPU store's blocks for eviction as one item, taken leaf first (they
+        became resident together, so each block goes before its parent), then enforce
+        the cap (blocks of an event being applied are not queued yet, so the cap is
+        checked again)."""
         self.storing = False
         if self.tracking:
-            self.qhashes.extend(reversed(hashes))
-            self.qgroups.extend(repeat(gs, len(hashes)))
-            if len(self.qhashes) > self.qlimit:
-                self.compact()
+            n = len(hashes)
+            if n:
+                item: QueueItem
+                if n == 1:
+                    item = hashes[0]
+                else:
+                    try:
+                        item = array("Q", hashes)
+                    except (TypeError, OverflowError):  # bytes, negative or wider hashes
+                        item = tuple(hashes)
+                self.qgroups.append(gs)
+                self.qhashes.append(item)
+                self.qlen += n
+                if self.qlen > self.qlimit:
+                    self.compact()
         if self.resident > self.watch:
             self.watch_hit()
 
@@ -138,24 +173,39 @@ class Eviction:
         feeding code keeps them up to date."""
         self.tracking = True
         self.watch = self.max_blocks
-        qg, qh = self.qgroups, self.qhashes
         slots = self.table.slots
         for slot in sorted(slots):
             gs = slots[slot][1]
             kids = gs.kids
             r1, r2 = gs.refs[1], gs.refs[2]
+            run: list[Hash] = []
             for h, m in gs.meta.items():
                 if gpu_refs(m) > 0 or h in r1 or h in r2:
                     p = parent_of(m)
                     if p is not None:
                         kids[p] = kids.get(p, 0) + 1
-                    qg.append(gs)
-                    qh.append(h)
-            for h in [*r1, *(h for h in r2 if h not in r1)]:
-                if h not in gs.meta:  # (held on CPU/STORAGE without a record)
-                    qg.append(gs)
-                    qh.append(h)
-        self.qlimit = max(1 << 16, 4 * len(qh))
+                    run.append(h)
+            self.queue_run(gs, run)
+            meta = gs.meta  # (held on CPU/STORAGE without a record:)
+            self.queue_run(gs, [h for h in [*r1, *(h for h in r2 if h not in r1)] if h not in meta])
+        self.qlimit = max(1 << 16, 4 * self.qlen)
+
+    def queue_run(self, gs: GroupState, run: list[Hash]) -> None:
+        """Queue the entries ``run`` of ``gs`` (first to be taken first) as one item."""
+        if not run:
+            return
+        item: QueueItem
+        if len(run) == 1:
+            item = run[0]
+        else:
+            run.reverse()  # (an item's hashes are taken from its end)
+            try:
+                item = array("Q", run)  # type: ignore[arg-type]
+            except (TypeError, OverflowError):
+                item = tuple(run)
+        self.qgroups.append(gs)
+        self.qhashes.append(item)
+        self.qlen += len(run)
 
     def unkid(self, gs: GroupState, p: Hash) -> None:
         """A resident entry whose parent is ``p`` stopped being resident."""
@@ -215,6 +265,8 @@ class Eviction:
         qg, qh = self.qgroups, self.qhashes
         slots = self.table.slots
         head = self.qhead
+        cut = self.qcut
+        taken = self.qtaken
         end = len(qh)
         try:
             while self.resident > goal:
@@ -229,8 +281,17 @@ class Eviction:
                     continue
                 if head < end:
                     gs = qg[head]
-                    h = qh[head]
-                    head += 1
+                    x: Any = qh[head]
+                    if type(x) is int or type(x) is bytes:
+                        h = x
+                        head += 1
+                    else:  # a GPU store: its hashes from the end
+                        cut += 1
+                        h = x[-cut]
+                        if cut == len(x):
+                            head += 1
+                            cut = 0
+                    taken += 1
                     t = slots.get(gs.slot)
                     if t is None or t[1] is not gs:
                         continue  # a removed worker's
@@ -251,10 +312,18 @@ class Eviction:
                     break
         finally:
             self.qhead = head
-            if head > 4096 and 2 * head > len(qh):
+            self.qcut = cut
+            self.qtaken = taken
+            if taken > 4096 and 2 * taken > self.qlen:  # forget the taken items
+                if cut:
+                    rest = qh[head][:-cut]  # type: ignore[index]
+                    qh[head] = rest[0] if len(rest) == 1 else rest
+                    self.qcut = 0
                 del qg[:head]
                 del qh[:head]
                 self.qhead = 0
+                self.qlen -= taken
+                self.qtaken = 0
 
     def _evict_deferred(self, goal: int) -> bool:
         """Step 3 of :meth:`evict`; False if there was nothing to evict."""
@@ -311,47 +380,100 @@ class Eviction:
                     self.ready.append((gs, p))
 
     def compact(self) -> None:
-        """Rewrite the eviction queue without the items it would skip (entries no longer
+        """Rewrite the eviction queue without the hashes it would skip (entries no longer
         resident, deferred or of removed workers) and without repeats (an entry keeps its
         first place), so that it stays proportional to the resident entries.
 
-        Each item the queue ever holds is looked at here or by :meth:`evict` about once
-        (most entries leave by their removal events, long before the queue reaches them),
-        so this loop is kept to a few dict lookups per item."""
-        seen: dict[int, set[Hash]] = {}  # by slot: hashes already kept
+        Each hash the queue ever holds is looked at here or by :meth:`evict` about once
+        (most entries leave by their removal events, long before the queue reaches
+        them), so this loop is kept to one dict lookup per hash of a store none of
+        whose blocks is resident any more; a store's resident hashes keep their order,
+        in a shorter item."""
+        # per live group (a removed worker's are skipped): what the loop reads, and the
+        # hashes already kept
+        live: dict[GroupState, tuple[Any, dict[Hash, int], dict[Hash, int], Any, set[Hash]]]
+        live = {
+            g: (g.meta.get, g.refs[1], g.refs[2], g.deferred, set())
+            for _, g in self.table.slots.values()
+        }
         ng: list[GroupState] = []
-        nh: list[Hash] = []
-        slots = self.table.slots
+        nh: list[QueueItem] = []
         last: GroupState | None = None
-        ok = False
+        st = None
         kept: set[Hash] = set()
-        meta: dict[Hash, Record] = {}
         r1: dict[Hash, int] = {}
         r2: dict[Hash, int] = {}
         deferred: dict[Hash, None] = {}
         head = self.qhead
         g_append, h_append = ng.append, nh.append
-        meta_get = meta.get
-        for gs, h in zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None)):
-            if gs is not last:  # runs of one group are the common case
+        meta_get: Any = None
+        n = 0  # hashes kept
+        items: Any = zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None))
+        if self.qcut:  # the head store's hashes not taken yet
+            gs, x = next(items)
+            items = _chain_one(gs, x[: -self.qcut], items)
+        for gs, x in items:
+            if gs is not last:
                 last = gs
-                t = slots.get(gs.slot)
-                ok = t is not None and t[1] is gs
-                meta, r1, r2, deferred = gs.meta, gs.refs[1], gs.refs[2], gs.deferred
-                meta_get = meta.get
-                kept = seen.setdefault(gs.slot, set())
-            if not ok:
+                st = live.get(gs)
+                if st is not None:
+                    meta_get, r1, r2, deferred, kept = st
+            if st is None:
                 continue
-            m = meta_get(h)
-            if m is None or type(m) is int:
-                if (m is None or m < GPU_ONE) and h not in r1 and h not in r2:
-                    continue  # not resident any more
-            elif not (gpu_refs(m) > 0 or h in r1 or h in r2):
+            if type(x) is int or type(x) is bytes:
+                h = x
+                m = meta_get(h)
+                if m is None or type(m) is int:
+                    if (m is None or m < GPU_ONE) and h not in r1 and h not in r2:
+                        continue  # not resident any more
+                elif not (gpu_refs(m) > 0 or h in r1 or h in r2):
+                    continue
+                if h in kept or h in deferred:
+                    continue
+                kept.add(h)
+                n += 1
+                g_append(gs)
+                h_append(h)
                 continue
-            if h in kept or h in deferred:
+            # a GPU store: its resident hashes, in order (a packed record >= GPU_ONE is
+            # held on GPU; a tuple record raises TypeError here: GroupState.held then)
+            try:
+                if r1 or r2:
+                    res = [y for y in x if meta_get(y, 0) >= GPU_ONE or y in r1 or y in r2]
+                else:
+                    res = [y for y in x if meta_get(y, 0) >= GPU_ONE]
+            except TypeError:
+                res = [y for y in x if gs.held(y)]
+            if not res:
                 continue
-            kept.add(h)
+            if len(res) == len(x) and kept.isdisjoint(x) and deferred.keys().isdisjoint(x):
+                kept.update(x)  # (a store kept whole, as the last compaction left it)
+                n += len(x)
+                g_append(gs)
+                h_append(x)
+                continue
+            keep: list[Any] = []  # (the hashes of x: ints when x is an array)
+            for h in reversed(res):  # (queue order: leaf first)
+                if h in kept or h in deferred:
+                    continue
+                kept.add(h)
+                keep.append(h)
+            if not keep:
+                continue
+            n += len(keep)
             g_append(gs)
-            h_append(h)
+            if len(keep) == 1:
+                h_append(keep[0])
+            else:
+                keep.reverse()
+                h_append(array("Q", keep) if type(x) is array else tuple(keep))
         self.qgroups, self.qhashes, self.qhead = ng, nh, 0
-        self.qlimit = max(1 << 16, 4 * len(nh))
+        self.qcut = self.qtaken = 0
+        self.qlen = n
+        self.qlimit = max(1 << 16, 4 * n)
+
+
+def _chain_one(gs: GroupState, x: QueueItem, rest: Any) -> Any:
+    """``(gs, x)`` and then the pairs of ``rest``."""
+    yield gs, x
+    yield from rest

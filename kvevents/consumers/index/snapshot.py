@@ -12,7 +12,7 @@ and Python versions because content keys are a stable algorithm
 
 The state is the index's own objects, walked generically: containers are tagged lists
 (``["d", keys, values]`` for a dict, ...), ints beyond 64 bits (the index packs records
-into wide ints) travel as bytes, and objects of the index package's classes are written
+into wide ints) travel as bytes, so do arrays of numbers (little-endian), and objects of the index package's classes are written
 once and referenced after (several tables share them).  ``schema`` names every class and
 its fields: a snapshot is refused with :class:`~kvevents.errors.ConfigError` when the
 running kvevents lays its index out differently, rather than restored wrongly.
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
+from array import array
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
@@ -32,7 +34,7 @@ from kvevents.version import __version__
 
 __all__ = ["SNAPSHOT_FORMAT", "restore_index", "snapshot_index"]
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 """Bumped whenever the encoding below changes."""
 
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
@@ -112,6 +114,15 @@ def _pack_plain_dict(d: dict[Any, Any], tag: str) -> list[Any] | None:
     return [tag, [_lists(k) for k in d], [_lists(v) for v in d.values()]]
 
 
+def _le_bytes(a: array[Any]) -> bytes:
+    """An array's items as little-endian bytes (its own byte order is the machine's)."""
+    if sys.byteorder == "little":
+        return a.tobytes()
+    b = array(a.typecode, a)  # pragma: no cover - big-endian machines
+    b.byteswap()  # pragma: no cover
+    return b.tobytes()  # pragma: no cover
+
+
 def _unpack_int_dict(v: list[Any]) -> dict[int, int]:
     _, kb, width, vb = v
     keys = struct.unpack(f"<{len(kb) // 8}Q", kb)
@@ -161,6 +172,8 @@ class _Writer:
             return ["c", [self.enc(k) for k in v], [self.enc(x) for x in v.values()]]
         if t is deque:
             return ["q", [self.enc(x) for x in v], v.maxlen]
+        if t is array:
+            return ["a", v.typecode, _le_bytes(v)]
         if t is set or t is frozenset:
             return ["s" if t is set else "f", [self.enc(x) for x in v]]
         if not t.__module__.startswith(self.module) and not dataclasses.is_dataclass(v):
@@ -209,6 +222,12 @@ class _Reader:
             return frozenset(self.dec(x) for x in v[1])
         if tag == "i":
             return int.from_bytes(v[1], "little", signed=True)
+        if tag == "a":
+            a = array(v[1])
+            a.frombytes(v[2])
+            if sys.byteorder != "little":  # pragma: no cover - written little-endian
+                a.byteswap()
+            return a
         if tag == "D":
             return _unpack_int_dict(v)
         if tag in ("dp", "op"):
