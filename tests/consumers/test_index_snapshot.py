@@ -16,7 +16,7 @@ from test_index_differential import IndexVsModel
 
 from kvevents.consumers import BlockIndex, Router
 from kvevents.errors import ConfigError
-from kvevents.events import KVEventBatch
+from kvevents.events import BlockStored, KVEventBatch
 from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload
 from kvevents.sim.block_pool import KVCacheGroupSpec
 from kvevents.sim.engine import SimEngine
@@ -89,3 +89,19 @@ def test_garbage_is_refused_with_a_clear_error() -> None:
     good = BlockIndex().snapshot()
     with pytest.raises(ConfigError):
         BlockIndex.restore(good[:-3])
+
+
+def test_a_snapshot_of_another_field_layout_is_refused_for_slotted_classes_too() -> None:
+    """The snapshot names each class's fields; a class whose fields differ now (a slotted
+    class included, not only dataclasses) makes the restore refuse, naming it."""
+    import msgspec
+
+    index = BlockIndex(max_blocks=100)
+    index.apply("e", 0, KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(32)), 16,
+                                                       None, "GPU", None)]))  # fmt: skip
+    header, state = msgspec.msgpack.decode(index.snapshot())
+    slotted = [k for k in header["schema"] if k.endswith("Eviction")]
+    assert slotted, header["schema"].keys()
+    header["schema"][slotted[0]] = [*header["schema"][slotted[0]], "a_field_gone_since"]
+    with pytest.raises(ConfigError, match="Eviction differently"):
+        BlockIndex.restore(msgspec.msgpack.encode([header, state]))

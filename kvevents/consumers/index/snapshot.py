@@ -268,6 +268,14 @@ def _resolve(key: str) -> type:
     return obj
 
 
+def _has_instance_dict(cls: type) -> bool:
+    """Whether instances of ``cls`` have a ``__dict__`` (a class of its MRO without
+    ``__slots__``, or with ``__dict__`` among them)."""
+    return any(
+        "__dict__" in getattr(k, "__slots__", ("__dict__",)) for k in cls.__mro__ if k is not object
+    )
+
+
 def _current_schema(schema: dict[str, list[str]]) -> list[str]:
     """Classes whose fields differ from the snapshot's (by a fresh instance's slots)."""
     bad = []
@@ -282,7 +290,7 @@ def _current_schema(schema: dict[str, list[str]]) -> list[str]:
             expected = [f.name for f in dataclasses.fields(cls)]
             if sorted(expected) != sorted(names):
                 bad.append(key)
-        elif slots and not hasattr(cls, "__dict__") and sorted(slots) != sorted(names):
+        elif slots and not _has_instance_dict(cls) and sorted(slots) != sorted(names):
             bad.append(key)
     return bad
 
