@@ -49,9 +49,10 @@ class Subscriber(SubscriberCore):
     :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
     ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
     is abandoned and its holes reported); ``receive_batch`` the most messages read from
-    one source per wake-up (a read of a ZMQ source also stops after 64 KiB of payloads); ``inband_window`` how many live records of a capture may
-    follow a gap before the recorded replay answering it is given up (the gap is then
-    reported lost).  Durations are seconds.  ``replay_timeout``, ``replay_cooldown`` and
+    one source per wake-up (a read of a ZMQ source also stops after 64 KiB of
+    payloads); ``inband_window`` how many live records of a capture may follow a gap
+    before the recorded replay answering it is given up (the gap is then reported
+    lost).  Durations are seconds.  ``replay_timeout``, ``replay_cooldown`` and
     ``max_message_size`` are the deprecated names of the unit-suffixed options (one
     release, with a :class:`DeprecationWarning`).
     """
