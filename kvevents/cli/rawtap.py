@@ -65,7 +65,7 @@ class FrameRecorder:
     (frames that decode, live or replayed): later frames are not written and
     :attr:`full` turns true.  Counters: :attr:`batches` and :attr:`events` (good
     batches and their events), :attr:`undecodable` and :attr:`malformed` (frames kept
-    and flagged)."""
+    and flagged), :attr:`replay_ends` (replay end markers written)."""
 
     def __init__(self, writer: CaptureWriter | None = None, max_batches: int | None = None) -> None:
         self.writer = writer
@@ -74,6 +74,7 @@ class FrameRecorder:
         self.events = 0
         self.undecodable = 0
         self.malformed = 0
+        self.replay_ends = 0
         self._decoder = BatchDecoder()
 
     @property
@@ -105,6 +106,7 @@ class FrameRecorder:
             self._out().write(
                 worker_source(name, topic), topic, -1, b"", recv_ts=msg.recv_ts, replayed=True
             )
+            self.replay_ends += 1
 
     def _out(self) -> CaptureWriter:
         if self.writer is None:  # a caller's mistake: frames must never be dropped
