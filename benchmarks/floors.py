@@ -204,47 +204,13 @@ def _best_ms(fn: Any, reps: int) -> float:
     return s[len(s) // 2] * 1e3
 
 
-def run_raw_decode(n: int) -> float:
-    """``run_raw``'s loop, decoding each payload as well: CPU us per batch."""
-    import zmq
-    from subscriber_profile import _pub, _send
-
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub, ep = _pub(ctx)
-    s = ctx.socket(zmq.SUB)
-    s.setsockopt(zmq.RCVHWM, 0)
-    s.setsockopt(zmq.SUBSCRIBE, b"")
-    s.connect(ep)
-    poller = zmq.Poller()
-    poller.register(s, zmq.POLLIN)
-    _send(pub, n)
-    time.sleep(0.3)  # let the I/O thread move the frames (not a synchronisation)
-    decode = BatchDecoder().decode
-    got = 0
-    t0 = time.thread_time()
-    while got < n:
-        for sock, _ in poller.poll(5000):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                decode(frames[2])
-                got += 1
-    cpu = time.thread_time() - t0
-    s.close(0)
-    pub.close(0)
-    ctx.term()
-    return cpu / n * 1e6
-
-
 def bench_subscriber(quick: bool) -> list[dict[str, Any]]:
     n = 5_000 if quick else 30_000
     rounds = 1 if quick else 3
     raw, floor, ours = [], [], []
     for _ in range(rounds):  # alternately; best CPU time of each
         raw.append(run_raw(n))
-        floor.append(run_raw_decode(n))
+        floor.append(run_raw(n, BatchDecoder().decode))
         ours.append(run_subscriber(n))
     r, f, o = min(raw), min(floor), min(ours)
     # rates relative to the bare loop: rate = 1 / (us per batch)

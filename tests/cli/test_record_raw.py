@@ -153,26 +153,32 @@ def test_inspect_and_replay_of_a_raw_capture(tmp_path: Path) -> None:
     assert got["workers"] == ref["workers"] and got["workers"][0]["tiers"]["GPU"]["entries"] > 0
 
 
-def test_replay_publish_of_a_raw_capture_sends_the_good_batches(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out, _ = record_sent(tmp_path)
-    pub_ep = f"ipc://{tmp_path}/again.ipc"
-    sub = consumers.Subscriber([pub_ep])
+def republish(capture: Path, endpoint: str, n: int) -> tuple[list[int], list[bytes]]:
+    """Run ``kvevents replay CAPTURE --publish ENDPOINT --max-rate`` with a subscriber on
+    it: the command's exit status and the payloads of the first ``n`` batches received."""
+    sub = consumers.Subscriber([endpoint])
     rc: list[int] = []
-    args = ["replay", str(out), "--publish", pub_ep, "--max-rate", "--wait-subscribers", "1"]
+    args = ["replay", str(capture), "--publish", endpoint, "--max-rate", "--wait-subscribers", "1"]
     runner = threading.Thread(target=lambda: rc.append(main([*args, "-q"])))
     runner.start()
     got: list[bytes] = []
     try:
         deadline = time.monotonic() + 20
-        while len(got) < 3 and time.monotonic() < deadline:
+        while len(got) < n and time.monotonic() < deadline:
             item = sub.receive(timeout=0.1)
             if isinstance(item, consumers.ReceivedBatch):
                 got.append(item.payload)
     finally:
         sub.close()
         runner.join(timeout=30)
+    return rc, got
+
+
+def test_replay_publish_of_a_raw_capture_sends_the_good_batches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = record_sent(tmp_path)
+    rc, got = republish(out, f"ipc://{tmp_path}/again.ipc", 3)
     assert rc == [0]
     assert got == [GOOD[0], GOOD[1], GOOD[3]]
     err = capsys.readouterr().err
@@ -264,22 +270,7 @@ def test_replay_publish_sends_a_seq_filled_late_and_skips_only_true_copies(
     with CaptureWriter(path) as w:
         for seq, payload, replayed in recorded:
             w.write(src, b"kv", seq, payload, recv_ts=1.0, replayed=replayed)
-    pub_ep = f"ipc://{tmp_path}/late.ipc"
-    sub = consumers.Subscriber([pub_ep])
-    rc: list[int] = []
-    args = ["replay", str(path), "--publish", pub_ep, "--max-rate", "--wait-subscribers", "1"]
-    runner = threading.Thread(target=lambda: rc.append(main([*args, "-q"])))
-    runner.start()
-    got: list[bytes] = []
-    try:
-        deadline = time.monotonic() + 20
-        while len(got) < 5 and time.monotonic() < deadline:
-            item = sub.receive(timeout=0.1)
-            if isinstance(item, consumers.ReceivedBatch):
-                got.append(item.payload)
-    finally:
-        sub.close()
-        runner.join(timeout=30)
+    rc, got = republish(path, f"ipc://{tmp_path}/late.ipc", 5)
     assert rc == [0]
     assert got == [GOOD[0], GOOD[1], GOOD[3], GOOD[2], restarted]
     err = capsys.readouterr().err
