@@ -204,15 +204,14 @@ def describe_malformed(rec: CaptureRecord) -> str:
         return "malformed message (its parts were not kept)"
     if not parts:  # recorded by an older kvevents, which kept no bytes of a bad reply
         return "malformed replay reply (its parts were not kept)"
+    if len(parts) == 3 and not rec.replayed:
+        return f"malformed message: its seq part has {len(parts[1])} bytes, expected 8"
+    sizes = ", ".join(f"{len(p)}" for p in parts[:6]) + (", ..." if len(parts) > 6 else "")
     if rec.replayed:
-        sizes = ", ".join(f"{len(p)}" for p in parts[:6]) + (", ..." if len(parts) > 6 else "")
         return (
             f"malformed replay reply: {len(parts)} part(s) of {sizes} bytes, expected "
             "[b'', (topic,) seq (8 bytes), payload]"
         )
-    if len(parts) == 3:
-        return f"malformed message: its seq part has {len(parts[1])} bytes, expected 8"
-    sizes = ", ".join(f"{len(p)}" for p in parts[:6]) + (", ..." if len(parts) > 6 else "")
     return (
         f"malformed message: {len(parts)} part(s) of {sizes} bytes, expected 3 "
         "[topic, seq, payload]"
