@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 import time
@@ -46,13 +47,47 @@ def test_replay_publish_refuses_a_connecting_address(
 
 def test_demo_binds_the_address_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
     """The demo's engines always listen: ``tcp://127.0.0.1:P`` binds loopback (it used to
-    connect out under vLLM's rule, index nothing and still print a table)."""
-    port = _free_port()
-    args = ["demo", "--quick", "--policy", "kv-aware", "--endpoint", f"tcp://127.0.0.1:{port}"]
-    assert main([*args, "--json", "-q", "--plot", ""]) == 0
-    out = json.loads(capsys.readouterr().out)
-    (policy,) = out["policies"]
+    connect out under vLLM's rule, index nothing and still print a table).
+
+    The demo binds ``P`` and the ports above it (one per engine and rank), so ``P`` is
+    the base of a block that was free a moment ago, taken below the kernel's ephemeral
+    range; should another process still take one in between, the run is refused with
+    "Address already in use" and tried again on another block."""
+    for _attempt in range(5):
+        port = _free_port_block(16)
+        args = ["demo", "--quick", "--policy", "kv-aware", "--endpoint", f"tcp://127.0.0.1:{port}"]
+        rc = main([*args, "--json", "-q", "--plot", ""])
+        captured = capsys.readouterr()
+        if rc == 2 and "Address already in use" in captured.err:
+            continue
+        assert rc == 0, captured.err
+        break
+    else:
+        pytest.fail("no free block of ports in five tries")
+    (policy,) = json.loads(captured.out)["policies"]
     assert policy["events"] > 0 and policy["tokens_saved"] > 0
+
+
+def _free_port_block(n: int) -> int:
+    """The first port of ``n`` consecutive loopback ports that are all free now, taken
+    from 20000-32000 (below Linux's ephemeral range, where outgoing connections take
+    their ports)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise AssertionError("no free block of ports")
 
 
 def _free_port() -> int:
