@@ -38,6 +38,7 @@ weights = st.sampled_from(
         (TierWeights(0.0, 0.0, 0.0), 1.0),
         (TierWeights(1.0, -2.0, 0.5), 1.0),
         (TierWeights(2.0, 0.8, 0.5), -1.0),
+        (TierWeights(1e-18, 1e-18, 0.0), 1e-18),  # costs that tie across loads when rounded
     ]
 )
 
@@ -50,7 +51,7 @@ weights = st.sampled_from(
     st.none()
     | st.dictionaries(
         st.tuples(st.sampled_from(["x", "z"]), st.integers(0, 3)),
-        st.sampled_from([0, 0.0, 1, 2.5, 16, 64, 100.0]),
+        st.sampled_from([0, 0.0, 1, 2.5, 16, 64, 100.0, -3.0, 1e-13, float("inf")]),
         max_size=6,
     ),
     st.booleans(),
@@ -75,7 +76,7 @@ def test_select_is_the_first_of_score(
         loads = dict(extra_loads)
         for wid in index.workers():  # loads for some of the index's workers
             if data.draw(st.booleans()):
-                loads[wid] = data.draw(st.sampled_from([0, 1, 2.0, 16, 0.5]))
+                loads[wid] = data.draw(st.sampled_from([0, 1, 2.0, 16, 0.5, -1.0, 1e-13]))
     for step in range(2):
         ranked = router.score(prompt, loads)
         if not ranked:

@@ -87,10 +87,16 @@ class Router:
         keyword arguments build one from tokens (LoRA adapter name, cache salt,
         multimodal inputs, prompt embeddings: what vLLM keys blocks by besides tokens).
         """
-        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        return self._find(*key, self.index.layout())
+
+    def _find(
+        self, tokens: Sequence[int], key: RequestKey | None, lay: IndexLayout
+    ) -> dict[WorkerId, Match]:
+        """:meth:`find_matches` of ``tokens`` (``key``: the request when it has more than
+        tokens) on the index's layout ``lay``."""
         n = len(tokens)
         index = self.index
-        lay = index.layout()
         unit = lay.canonical
         if n < 2:
             return {}
@@ -160,27 +166,32 @@ class Router:
         :class:`Candidate` per worker or sorting them.  Raises
         :class:`~kvevents.errors.ConfigError` when there is no worker at all.
         """
-        matches = self.find_matches(
-            request,
-            lora_name=lora_name,
-            cache_salt=cache_salt,
-            mm_features=mm_features,
-            prompt_embeds=prompt_embeds,
-        )
+        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        lay = self.index.layout()
+        matches = self._find(tokens, key, lay)
         best: WorkerId | None
         ordered, known = self._sorted_workers()
         if (
             self.index.stale_workers
             or not monotone(self.weights, self.load_weight)
-            or (matches and not matches.keys() <= known)  # not expected: index workers
+            # the workers of a match are the index's when the layout is the one ``known``
+            # was made from (the same object); else (another thread changed the index
+            # meanwhile) they are checked
+            or (
+                matches
+                and self._workers_cache is not None
+                and self._workers_cache[0] is not lay
+                and not matches.keys() <= known
+            )
         ):
             # stale workers to leave out, or unusual weights (a match may raise a
             # cost): rank every candidate
             ranked = self._rank(request, matches, loads)
             best = ranked[0].worker if ranked else None
         else:
-            n = len(request.tokens if isinstance(request, RequestKey) else request)
-            best = cheapest(matches, ordered, known, n, loads, self.weights, self.load_weight)
+            best = cheapest(
+                matches, ordered, known, len(tokens), loads, self.weights, self.load_weight
+            )
         if best is None:
             raise ConfigError(_NO_WORKERS)
         return best
