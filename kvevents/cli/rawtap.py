@@ -43,17 +43,11 @@ from kvevents.consumers.sources import (
     ZmqSource,
 )
 from kvevents.consumers.subscriber import worker_source
-from kvevents.consumers.zmq_source import (
-    DEFAULT_MAX_MESSAGE_SIZE_BYTES,
-    MONITORED_EVENTS,
-    drain_monitor_events,
-)
-from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
+from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES, LiveLink
 from kvevents.errors import CaptureError, ConfigError, DecodeError
 
 __all__ = ["FrameRecorder", "RecordingSource"]
 
-_REDIAL_AFTER_S = 0.5
 _RELAY_IDS = itertools.count()
 
 
@@ -178,20 +172,17 @@ class RecordingSource:
             raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
         self.endpoint = endpoint
         self.recorder = recorder
-        self.redial_at: float | None = None
-        """When :meth:`maintain` dials the live socket again (monotonic seconds), or None."""
-        self.bound_endpoint: str | None = None
-        """The address the live socket bound (the real port for ``:0``); None when it
-        connects."""
         self._closed = False
         ctx = context if context is not None else zmq.Context.instance()
-        self._live: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
-        self._live.setsockopt(zmq.LINGER, 0)
-        self._live.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._live.setsockopt(zmq.MAXMSGSIZE, max_message_size_bytes or -1)
-        self._live.setsockopt(zmq.SUBSCRIBE, topic)
-        enable_ipv6_if_needed(self._live, endpoint)
-        self._monitor: zmq.Socket[bytes] = self._live.get_monitor_socket(MONITORED_EVENTS)
+        # The live socket (connection events and redial included); it closes what it
+        # opened and raises ConfigError when it cannot open.
+        self._link = LiveLink(
+            ctx, endpoint, topic, rcvhwm=rcvhwm, max_message_size_bytes=max_message_size_bytes
+        )
+        self._live = self._link.sock
+        self.bound_endpoint: str | None = self._link.bound_endpoint
+        """The address the live socket bound (the real port for ``:0``); None when it
+        connects."""
         # The relay: every message read is passed on unchanged, nothing dropped (no
         # high-water mark: it is drained by the same thread right after).
         self._relay: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
@@ -200,12 +191,6 @@ class RecordingSource:
         relay_ep = f"inproc://kvevents-record-{next(_RELAY_IDS)}-{id(self):x}"
         self._inner: ZmqSource | None = None
         try:
-            if is_wildcard_endpoint(endpoint):
-                self._live.bind(endpoint)
-                last = self._live.getsockopt(zmq.LAST_ENDPOINT)
-                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
-            else:
-                self._live.connect(endpoint)
             self._relay.bind(relay_ep)
             self._inner = ZmqSource(
                 relay_ep,
@@ -234,6 +219,11 @@ class RecordingSource:
             raise ConfigError(f"{self.endpoint}: the recorder is closed")
         return self._inner
 
+    @property
+    def redial_at(self) -> float | None:
+        """When :meth:`maintain` dials the live socket again (monotonic seconds), or None."""
+        return self._link.redial_at
+
     # --- the source protocol ----------------------------------------------------------
     @property
     def name(self) -> str:
@@ -259,28 +249,16 @@ class RecordingSource:
     def sockets(self) -> Sequence[Any]:
         if self._closed:
             return []
-        return [self._live, self._monitor, *self._source().sockets()]
+        return [*self._link.sockets(), *self._source().sockets()]
 
     def receive(self, limit: int) -> list[SourceMessage]:
         """Up to about ``limit`` messages: each live message is recorded as it is read
         from the network, then parsed by the ZMQ source; replay replies are recorded as
         the ZMQ source returns them."""
-        out: list[SourceMessage] = []
         if self._closed:
-            return out
+            return []
         now = time.time()
-        for event in drain_monitor_events(
-            self._monitor
-        ):  # a reconnect is known before what it brought
-            if event == zmq.EVENT_CONNECT_RETRIED:
-                self.redial_at = None  # libzmq reconnects by itself
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.redial_at = None
-                out.append(SourceMessage(CONNECTED, recv_ts=now))
-            else:
-                out.append(SourceMessage(DISCONNECTED, recv_ts=now))
-                if self.bound_endpoint is None:
-                    self.redial_at = time.monotonic() + _REDIAL_AFTER_S
+        out = self._link.connection_events(now)  # a reconnect is known before what it brought
         for _ in range(limit):
             try:
                 parts = self._live.recv_multipart(zmq.NOBLOCK)
@@ -300,17 +278,7 @@ class RecordingSource:
         """Dial the live socket again when its connection dropped and libzmq is not
         reconnecting (after a protocol error, such as a frame over the size limit).
         ``now`` is ``time.monotonic()``."""
-        if self.redial_at is None or now < self.redial_at or self._closed:
-            return
-        self.redial_at = None
-        try:
-            self._live.disconnect(self.endpoint)
-        except zmq.ZMQError:
-            pass
-        try:
-            self._live.connect(self.endpoint)
-        except zmq.ZMQError:  # pragma: no cover - the endpoint was valid before
-            pass
+        self._link.maintain(now)
 
     def replay_channel(self, topic: bytes = b"") -> str | None:
         """The replay endpoint that serves ``topic`` (None: no replay for it)."""
@@ -333,9 +301,7 @@ class RecordingSource:
         if self._inner is not None:
             self._inner.close()
         self._relay.close(0)
-        self._live.disable_monitor()
-        self._monitor.close(0)
-        self._live.close(0)
+        self._link.close()
 
     def __repr__(self) -> str:
         return f"RecordingSource({self.endpoint!r})"

@@ -1,7 +1,9 @@
 """A vLLM-compatible ZeroMQ publisher as a subscriber input.
 
 One job: :class:`ZmqSource` (a SUB on the live endpoint, a DEALER per replay endpoint,
-socket monitors for connection events) and the parsing of its frames.  May import
+socket monitors for connection events) and the parsing of its frames.  Its live side -
+the SUB, its monitor and the redial after a drop - is a :class:`LiveLink`, which other
+sources that read a publisher's live stream themselves (the recorder's) share.  May import
 :mod:`kvevents.codec`, :mod:`kvevents.endpoints`, :mod:`kvevents.security`,
 :mod:`kvevents.errors` and the source protocol.
 """
@@ -35,6 +37,7 @@ from kvevents.security import CurveClientConfig, apply_curve_client
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE_BYTES",
     "MONITORED_EVENTS",
+    "LiveLink",
     "ZmqSource",
     "drain_monitor_events",
 ]
@@ -57,6 +60,126 @@ _REDIAL_AFTER_S = 0.5
 # 64-event batches were delivered ~2x faster with reads of ~4 of them than of 256).
 _DRAIN_BYTES = 64 << 10
 """After a drop with no reconnect attempt by libzmq within this long, dial again."""
+
+
+class LiveLink:
+    """The live side of a source: a SUB socket on a publisher's endpoint, its socket
+    monitor and the redial after a drop that libzmq does not repair.
+
+    The SUB (``ZMQ_LINGER`` 0, ``rcvhwm`` messages of receive high-water mark,
+    ``ZMQ_MAXMSGSIZE`` ``max_message_size_bytes`` - 0 or None: no limit -, a CURVE
+    client when ``curve`` is given) subscribes to ``topic`` (a prefix) and connects to
+    ``endpoint``; it binds only to a wildcard address (``*``, ``0.0.0.0``, ``[::]``),
+    for publishers that connect out, and :attr:`bound_endpoint` then holds the bound
+    address.  ``monitor`` watches it for :data:`MONITORED_EVENTS`, which
+    :meth:`connection_events` turns into :data:`CONNECTED` / :data:`DISCONNECTED`
+    messages.  Read :attr:`sock` directly for the messages themselves.
+
+    Raises :class:`~kvevents.errors.ConfigError` (``cannot open ...``, or the CURVE
+    configuration's own) after closing what it opened.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        endpoint: str,
+        topic: bytes = b"",
+        *,
+        name: str | None = None,
+        rcvhwm: int = 100_000,
+        max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
+        monitor: bool = True,
+        curve: CurveClientConfig | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name or endpoint
+        """How the link's warnings name it (default: ``endpoint``)."""
+        self.redial_at: float | None = None
+        """When :meth:`maintain` dials again (monotonic seconds), or None."""
+        self.bound_endpoint: str | None = None
+        """The address the SUB bound (the real port for ``:0``); None when it connects."""
+        self._closed = False
+        sock: zmq.Socket[bytes] = context.socket(zmq.SUB)
+        self.sock = sock
+        """The SUB socket: read it (non-blocking) for the live messages."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_size_bytes or -1)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        try:
+            apply_curve_client(sock, curve)
+        except ConfigError:
+            sock.close(0)
+            raise
+        enable_ipv6_if_needed(sock, endpoint)
+        self.monitor: zmq.Socket[bytes] | None = (
+            sock.get_monitor_socket(MONITORED_EVENTS) if monitor else None
+        )
+        """The SUB's monitor socket (None: not monitored)."""
+        try:
+            if is_wildcard_endpoint(endpoint):
+                sock.bind(endpoint)
+                last = sock.getsockopt(zmq.LAST_ENDPOINT)
+                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
+            else:
+                sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(f"cannot open {endpoint!r}: {exc}") from exc
+
+    def sockets(self) -> list[Any]:
+        """The sockets to poll: the SUB, then its monitor (none once closed)."""
+        if self._closed:
+            return []
+        return [self.sock] if self.monitor is None else [self.sock, self.monitor]
+
+    def connection_events(self, now: float) -> list[SourceMessage]:
+        """Drain the monitor without blocking: a :data:`CONNECTED` message per handshake,
+        a :data:`DISCONNECTED` one per drop, each stamped ``now`` (``time.time()``).  A
+        drop of a connecting SUB sets :attr:`redial_at`; a handshake or libzmq's own
+        reconnect attempt clears it."""
+        out: list[SourceMessage] = []
+        if self.monitor is None:
+            return out
+        for event in drain_monitor_events(self.monitor):
+            if event == zmq.EVENT_CONNECT_RETRIED:
+                self.redial_at = None  # libzmq reconnects by itself
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.redial_at = None
+                out.append(SourceMessage(CONNECTED, recv_ts=now))
+            else:
+                out.append(SourceMessage(DISCONNECTED, recv_ts=now))
+                if self.bound_endpoint is None:
+                    self.redial_at = time.monotonic() + _REDIAL_AFTER_S
+        return out
+
+    def maintain(self, now: float) -> None:
+        """Dial again once :attr:`redial_at` is due (``now`` is ``time.monotonic()``):
+        libzmq reconnects by itself after a network error but not after a protocol
+        error (a frame over ``ZMQ_MAXMSGSIZE``), whose session is gone.  A failed dial
+        is logged as a warning, not raised."""
+        if self.redial_at is None or now < self.redial_at or self._closed:
+            return
+        self.redial_at = None
+        try:
+            self.sock.disconnect(self.endpoint)  # the ended session still holds the address
+        except zmq.ZMQError:
+            pass
+        try:
+            self.sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before
+            logger.warning("%s: cannot reconnect: %s", self.name, exc)
+
+    def close(self) -> None:
+        """Close the monitor and the SUB (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.monitor = None
+        self.sock.close(0)
 
 
 class ZmqSource:
@@ -124,43 +247,33 @@ class ZmqSource:
         """``ZMQ_MAXMSGSIZE`` of every socket (bytes; -1: no limit)."""
         self.replay_rcvhwm = replay_rcvhwm
         self._ctx = context if context is not None else zmq.Context.instance()
-        self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_size_bytes)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._curve = curve
-        try:
-            apply_curve_client(self._sub, curve)
-        except ConfigError:
-            self._sub.close(0)
-            raise
-        enable_ipv6_if_needed(self._sub, endpoint)
-        self._monitor: zmq.Socket[bytes] | None = (
-            self._sub.get_monitor_socket(MONITORED_EVENTS) if monitor else None
+        self._link = LiveLink(
+            self._ctx,
+            endpoint,
+            topic,
+            name=self._name,
+            rcvhwm=rcvhwm,
+            max_message_size_bytes=self.max_message_size_bytes,
+            monitor=monitor,
+            curve=curve,
         )
+        self._sub = self._link.sock
         self._want_monitor = monitor
-        self.bound_endpoint: str | None = None
+        self.bound_endpoint: str | None = self._link.bound_endpoint
         """The address the SUB bound (the real port for ``:0``); None when it connects."""
-        try:
-            if is_wildcard_endpoint(endpoint):
-                self._sub.bind(endpoint)
-                last = self._sub.getsockopt(zmq.LAST_ENDPOINT)
-                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
-            else:
-                self._sub.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._close_sub()
-            raise ConfigError(f"cannot open {endpoint!r}: {exc}") from exc
         # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
         self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
         self._closed = False
-        self.redial_at: float | None = None
-        """When :meth:`maintain` dials again (monotonic seconds), or None."""
 
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def redial_at(self) -> float | None:
+        """When :meth:`maintain` dials again (monotonic seconds), or None."""
+        return self._link.redial_at
 
     @property
     def max_message_size(self) -> int:
@@ -199,9 +312,7 @@ class ZmqSource:
     def sockets(self) -> Sequence[Any]:
         if self._closed:
             return []
-        out: list[Any] = [self._sub]
-        if self._monitor is not None:
-            out.append(self._monitor)
+        out = self._link.sockets()
         for dealer, mon, _ in self._dealers.values():
             out.append(dealer)
             if mon is not None:
@@ -209,22 +320,11 @@ class ZmqSource:
         return out
 
     def receive(self, limit: int) -> list[SourceMessage]:
-        out: list[SourceMessage] = []
         if self._closed:
-            return out
+            return []
         now = time.time()
         # Connection events first: a reconnect must be known before what it delivered.
-        if self._monitor is not None:
-            for event in drain_monitor_events(self._monitor):
-                if event == zmq.EVENT_CONNECT_RETRIED:
-                    self.redial_at = None  # libzmq reconnects by itself
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.redial_at = None
-                    out.append(SourceMessage(CONNECTED, recv_ts=now))
-                else:
-                    out.append(SourceMessage(DISCONNECTED, recv_ts=now))
-                    if self.bound_endpoint is None:
-                        self.redial_at = time.monotonic() + _REDIAL_AFTER_S
+        out = self._link.connection_events(now)
         # recv_multipart's own loop, without its per-frame getsockopt(RCVMORE) (which
         # builds a SocketOption enum each time): a Frame carries ``more`` already, and
         # ``.bytes`` is the one copy that recv_multipart makes too (about 3.5 against
@@ -281,17 +381,7 @@ class ZmqSource:
         it reconnects by itself after a network error but not after a protocol error
         (a frame over ``max_message_size_bytes``), whose session is gone.  ``now`` is
         ``time.monotonic()``; :attr:`redial_at` says when this is due (None: never)."""
-        if self.redial_at is None or now < self.redial_at or self._closed:
-            return
-        self.redial_at = None
-        try:
-            self._sub.disconnect(self.endpoint)  # the ended session still holds the address
-        except zmq.ZMQError:
-            pass
-        try:
-            self._sub.connect(self.endpoint)
-        except zmq.ZMQError as exc:  # pragma: no cover - the endpoint was valid before
-            logger.warning("%s: cannot reconnect: %s", self._name, exc)
+        self._link.maintain(now)
 
     def request_replay(self, start: int, topic: bytes = b"") -> None:
         channel = self.replay_channel(topic)
@@ -333,18 +423,11 @@ class ZmqSource:
                     mon.close(0)
                 dealer.close(0)
 
-    def _close_sub(self) -> None:
-        if self._monitor is not None:
-            self._sub.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
-        self._sub.close(0)
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.cancel_replay()
-            self._close_sub()
+            self._link.close()
 
     def __repr__(self) -> str:
         return f"ZmqSource({self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
