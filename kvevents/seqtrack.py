@@ -224,6 +224,21 @@ class StreamTracker(Generic[T]):
         return req
 
     # --- inputs ---------------------------------------------------------------------
+    def live_in_order(self, seq: int, fingerprint: Hashable) -> bool:
+        """The usual live batch, taken without building actions: when ``seq`` is the next
+        one expected and nothing is held or buffered, record it as delivered and return
+        True (the caller delivers it: exactly ``live``'s single ``Deliver``).  Otherwise
+        change nothing and return False (call :meth:`live`)."""
+        if seq != self._next or self._hold or self._heap:
+            return False
+        self._quiet = False
+        if seq > self._front:
+            self._front = seq
+        self.last = seq
+        self._next = seq + 1
+        self._ring[seq % self._history] = (seq, fingerprint)
+        return True
+
     def live(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:
         """A batch arrived on the live stream."""
         self._quiet = False

@@ -359,6 +359,7 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
     that seq; nothing both delivered and lost; no silent loss; every loss a replay
     proved is truly absent from the ring that answered; no restart without one."""
     epochs, buffer_steps = sc["epochs"], sc["buffer"]
+    fast = data.draw(st.booleans(), label="live_in_order first")
     pubs = [(e, s) for e, n in enumerate(epochs) for s in range(n)]
     tracker: StreamTracker[Item] = StreamTracker(history=sc["history"])
     out: list[Any] = []
@@ -432,7 +433,10 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
             published_upto = now
         elif in_flight and data.draw(st.booleans(), label="serve first"):
             serve(False)
-        apply(tracker.live(s, (e, s), (e, s)))
+        if fast and tracker.live_in_order(s, (e, s)):  # the subscriber's usual path
+            apply([Deliver(s, (e, s), False)])
+        else:
+            apply(tracker.live(s, (e, s), (e, s)))
     published_upto = len(pubs) - 1
     for _ in range(1000):  # finish every replay (each may ask for another)
         if not in_flight:
@@ -480,3 +484,49 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
             UNRECOVERABLE_LOSS,
             HISTORY_MISSED,
         }
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["live", "live", "live", "verify", "replayed", "end"]),
+            st.integers(0, 12),
+        ),
+        max_size=60,
+    ),
+    replayable=st.booleans(),
+)
+def test_live_in_order_is_live_without_the_actions(
+    steps: list[tuple[str, int]], replayable: bool
+) -> None:
+    """Where ``live_in_order`` takes a batch, ``live`` would have answered exactly one
+    ``Deliver`` of it and left the same state; where it declines, it changes nothing."""
+    ref: StreamTracker[int] = StreamTracker(replayable=replayable, history=8)
+    fast: StreamTracker[int] = StreamTracker(replayable=replayable, history=8)
+    replay_id = None
+
+    def state(t: StreamTracker[int]) -> tuple[Any, ...]:
+        return (t.last, t._next, t._front, t._quiet, t._hold, list(t._ring), dict(t._pending))
+
+    for kind, seq in steps:
+        if kind == "live":
+            before = state(fast)
+            if fast.live_in_order(seq, seq):
+                assert ref.live(seq, seq, seq) == [Deliver(seq, seq, False)]
+            else:
+                assert state(fast) == before
+                got = fast.live(seq, seq, seq)
+                assert got == ref.live(seq, seq, seq)
+                replay_id = next(
+                    (a.replay_id for a in got if isinstance(a, StartReplay)), replay_id
+                )
+        elif kind == "verify":
+            got = fast.verify()
+            assert got == ref.verify()
+            replay_id = next((a.replay_id for a in got if isinstance(a, StartReplay)), replay_id)
+        elif replay_id is not None and kind == "replayed":
+            assert fast.replayed(replay_id, seq, seq, seq) == ref.replayed(replay_id, seq, seq, seq)
+        elif replay_id is not None:
+            assert fast.replay_end(replay_id) == ref.replay_end(replay_id)
+        assert state(fast) == state(ref)

@@ -364,9 +364,9 @@ class SubscriberCore:
         key = (source, decoded.data_parallel_rank or 0)
         st = self._streams.get(key) or table.open(key, src, topic, now)
         tracker = st.tracker
-        item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
         fp = fingerprint(payload)
         if inband:
+            item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
             if self._inband.live(key, tracker, msg, item, fp):
                 return
         elif self._resumed_after_silence(st, now):
@@ -374,7 +374,12 @@ class SubscriberCore:
         st.heard = st.live_at = now
         if st.stale:
             self._liveness.revive(st)
-        self._apply(key, tracker.live(msg.seq, item, fp))
+        seq = msg.seq
+        if tracker.live_in_order(seq, fp):  # the usual batch: no actions to build
+            self._outbox.deliver(key, seq, decoded, msg.replayed, topic, payload, msg.recv_ts)
+        else:
+            item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
+            self._apply(key, tracker.live(seq, item, fp))
 
     def _process(self, src: Source, msg: SourceMessage, now: float) -> None:
         kind = msg.kind

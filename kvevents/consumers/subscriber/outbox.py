@@ -5,7 +5,8 @@
 
 One job: actions in, items and counters out.  A :class:`StartReplay` action is handed to
 the replay room through the ``schedule`` hook.  May import the subscriber's items and
-tables, :mod:`kvevents.consumers.seqtrack` and :mod:`kvevents.ratelimit`.
+tables, :mod:`kvevents.consumers.seqtrack`, :mod:`kvevents.events` and
+:mod:`kvevents.ratelimit`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvevents.consumers.subscriber.items import (
     SubscriberStats,
 )
 from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
+from kvevents.events import KVEventBatch
 from kvevents.ratelimit import RateLimitedLog
 
 __all__ = ["Outbox", "ScheduleHook"]
@@ -62,6 +64,28 @@ class Outbox:
         """Count ``anomaly`` and queue it."""
         self.stats.anomalies[anomaly.kind] += 1
         self.items.append(anomaly)
+
+    def deliver(
+        self,
+        key: StreamKey,
+        seq: int,
+        batch: KVEventBatch,
+        replayed: bool,
+        topic: bytes,
+        payload: bytes,
+        recv_ts: float,
+    ) -> None:
+        """Queue one batch of stream ``key`` as delivered (what :meth:`apply` does for a
+        ``Deliver``), without the tracker's action objects: the in-order live path."""
+        stats = self.stats
+        stats.batches += 1
+        stats.events += len(batch.events)
+        if replayed:
+            stats.replayed_batches += 1
+        self.last_delivery[key] = recv_ts
+        self.items.append(
+            ReceivedBatch(key[0], key[1], seq, batch, replayed, topic, payload, recv_ts)
+        )
 
     def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
         """Carry out ``actions`` of stream ``key``'s tracker in order: deliver batches,
