@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from _ports import free_port_block
 
 from kvevents.capture import read_capture
 from kvevents.cli import main
@@ -54,7 +54,7 @@ def test_demo_binds_the_address_it_is_given(capsys: pytest.CaptureFixture[str]) 
     range; should another process still take one in between, the run is refused with
     "Address already in use" and tried again on another block."""
     for _attempt in range(5):
-        port = _free_port_block(16)
+        port = free_port_block(16)
         args = ["demo", "--quick", "--policy", "kv-aware", "--endpoint", f"tcp://127.0.0.1:{port}"]
         rc = main([*args, "--json", "-q", "--plot", ""])
         captured = capsys.readouterr()
@@ -66,28 +66,6 @@ def test_demo_binds_the_address_it_is_given(capsys: pytest.CaptureFixture[str]) 
         pytest.fail("no free block of ports in five tries")
     (policy,) = json.loads(captured.out)["policies"]
     assert policy["events"] > 0 and policy["tokens_saved"] > 0
-
-
-def _free_port_block(n: int) -> int:
-    """The first port of ``n`` consecutive loopback ports that are all free now, taken
-    from 20000-32000 (below Linux's ephemeral range, where outgoing connections take
-    their ports)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise AssertionError("no free block of ports")
 
 
 def _free_port() -> int:

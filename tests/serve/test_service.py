@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
+from _ports import free_port_block
 
 from kvevents.serve import ServeConfig
 from kvevents.serve.stack import LocalStack
@@ -246,31 +247,14 @@ def test_readyz_names_engines_not_ready() -> None:
         app.fleet.close()
 
 
-def _free_port_pair() -> int:
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65000:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-                return p
-    raise AssertionError("no free port pair")
-
-
 def test_data_parallel_rank_gets_the_header() -> None:
     import asyncio
 
     from kvevents.serve.config import parse_engine_spec
     from kvevents.sim.http import SimHTTPEngine
 
-    ev, rep = _free_port_pair(), _free_port_pair()
+    ev = free_port_block(4)  # events on ev and ev + 1, replay on ev + 2 and ev + 3
+    rep = ev + 2
     stack = LocalStack(1, serve=ServeConfig(scrape_interval_s=0.2))
     stack.start()
     try:
