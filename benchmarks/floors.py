@@ -1,6 +1,6 @@
 """Interpreter floors: the least CPython work each router-side goal needs, next to ours.
 
-For four of the one-router-for-a-thousand-engines goals, this script measures in one run
+For five of the one-router-for-a-thousand-engines goals, this script measures in one run
 (a) the project's own figure, (b) a *floor*: a bare loop doing only the irreducible part
 of the same work with the same C building blocks (msgspec's typed decode, a dict lookup
 per key, one result object per worker, one dict entry per record), and (c) the goal.
@@ -15,6 +15,10 @@ only a compiled core (or doing less work) can.
   1,000-bit worker set, and one ``Match`` per worker in the result dict (built by C
   loops, ``tuple.__new__`` mapped over the workers).  Goal: p99
   0.4 ms.
+* ``select``: with a load per worker (1 % of the fleet holds the prompt), the floor is
+  ``find_matches`` plus one C pass over the loads; with every worker matching (no
+  loads), ``find_matches`` plus pricing each match once in one comprehension.  Goal:
+  1.1x ``find_matches``.
 * ``subscriber``: CPU us per 2-event batch (``benchmarks/subscriber.py``'s traffic).
   Floor: a bare receive loop that also decodes each payload (no sequence tracking, no
   result record).  Goal: the subscriber at 0.7x a bare receive loop's rate.
@@ -194,6 +198,47 @@ def bench_select_loads(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
+def bench_select_all_hold(quick: bool) -> list[dict[str, Any]]:
+    """``select`` when every worker matches must price every match once: ``find_matches``
+    plus the cost expression over its matches in one comprehension and its ``min`` (no
+    loads, no tie break), against ``find_matches`` alone; ours is ``select`` itself.  All
+    three sampled call by call, alternately."""
+    rng = random.Random(11)
+    workers = 100 if quick else 1000
+    prompt = [rng.randrange(50_000) for _ in range(8192)]
+    index = populate(workers, prompt, rng, 1)
+    router = Router(index)
+    router.select(prompt)
+    w = router.weights
+    wg, wc, ws, n = w.gpu, w.cpu, w.storage, len(prompt)
+    reps = 20 if quick else 300
+    find_s, price_s, ours_s = [], [], []
+    gc.collect()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        matches = router.find_matches(prompt)
+        t1 = time.perf_counter()
+        min([n - (wg * g + wc * c + ws * st) for g, c, st in matches.values()])
+        t2 = time.perf_counter()
+        router.select(prompt)
+        t3 = time.perf_counter()
+        find_s.append(t1 - t0)
+        price_s.append(t2 - t1)
+        ours_s.append(t3 - t2)
+    f, p, o = (sorted(x)[reps // 2] * 1e3 for x in (find_s, price_s, ours_s))
+    label = f"select 8k tok x {workers} w, all hold it"
+    return [
+        result(f"{label}: ours, select p50 (vs find_matches p50)", o / f, "x find_matches", 1.1),
+        result(
+            f"{label}: floor, find_matches + pricing each match once (vs goal)",
+            (f + p) / f,
+            "x find_matches",
+            1.1,
+        ),
+        result(f"{label}: pricing each match once p50 (vs find_matches p50)", p, "ms", f),
+    ]
+
+
 def _best_ms(fn: Any, reps: int) -> float:
     s = []
     for _ in range(reps):
@@ -257,6 +302,7 @@ def main() -> None:
     rows += bench_apply(args.quick)
     rows += bench_find(args.quick)
     rows += bench_select_loads(args.quick)
+    rows += bench_select_all_hold(args.quick)
     rows += bench_subscriber(args.quick)
     rows += bench_floor_memory(args.quick)
     report("floors", rows)
