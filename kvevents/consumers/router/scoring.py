@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, islice
 
 from kvevents.consumers.index import WorkerId
 from kvevents.consumers.router.match import ZERO, Candidate, Match
@@ -156,4 +156,6 @@ def _least(costs: list[float], workers: Iterable[WorkerId]) -> tuple[float, Work
     if total != total:  # a NaN (or +inf with -inf): order them as rank does
         costs = list(map(_ordered, costs))
     least = min(costs)
+    if costs.count(least) == 1:  # (usual: no tie at the top) the one worker, by position
+        return least, next(islice(workers, costs.index(least), None))
     return least, min(compress(workers, map(least.__eq__, costs)))
