@@ -471,3 +471,17 @@ def test_source_objects_and_topic_filtering():
         ("engine-a#kv@test", i) for i in range(3)
     ]
     assert decode_batch(batches_of(items)[1].payload) == make_batch(1)
+
+
+def test_received_batch_builds_the_same_frozen_value_as_the_dataclass() -> None:
+    import dataclasses
+
+    from kvevents.consumers.subscriber.items import ReceivedBatch, received_batch
+    from kvevents.events import KVEventBatch
+
+    args = ("tcp://h:1", 2, 7, KVEventBatch(1.0, []), True, b"t", b"payload", 3.5)
+    fast, slow = received_batch(*args), ReceivedBatch(*args)
+    assert fast == slow and repr(fast) == repr(slow)
+    assert dataclasses.astuple(fast) == args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.seq = 8  # type: ignore[misc]

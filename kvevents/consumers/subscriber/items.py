@@ -8,7 +8,7 @@ names of :mod:`kvevents.consumers.seqtrack`; nothing else of the subscriber.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Union
 
 from kvevents.consumers.seqtrack import (
@@ -32,6 +32,7 @@ __all__ = [
     "ReceivedBatch",
     "SubscriberItem",
     "SubscriberStats",
+    "received_batch",
     "worker_source",
 ]
 
@@ -96,6 +97,37 @@ class ReceivedBatch:
     def worker(self) -> tuple[str, int]:
         """The worker scope ``(source, dp_rank)`` the index keys state by."""
         return (self.source, self.dp_rank)
+
+
+# ReceivedBatch's slots, set directly: a frozen dataclass's __init__ sets each field
+# through ``object.__setattr__``, about twice the cost of a slot descriptor's ``__set__``
+# (the subscriber builds one per batch).
+(_SET_SOURCE, _SET_RANK, _SET_SEQ, _SET_BATCH, _SET_REPLAYED, _SET_TOPIC, _SET_PAYLOAD,
+ _SET_TS) = (getattr(ReceivedBatch, f.name).__set__ for f in fields(ReceivedBatch))  # fmt: skip
+_new_object = object.__new__
+
+
+def received_batch(
+    source: str,
+    dp_rank: int,
+    seq: int,
+    batch: KVEventBatch,
+    replayed: bool,
+    topic: bytes,
+    payload: bytes,
+    recv_ts: float,
+) -> ReceivedBatch:
+    """``ReceivedBatch(source, dp_rank, ...)``: the same value, built faster."""
+    rb: ReceivedBatch = _new_object(ReceivedBatch)
+    _SET_SOURCE(rb, source)
+    _SET_RANK(rb, dp_rank)
+    _SET_SEQ(rb, seq)
+    _SET_BATCH(rb, batch)
+    _SET_REPLAYED(rb, replayed)
+    _SET_TOPIC(rb, topic)
+    _SET_PAYLOAD(rb, payload)
+    _SET_TS(rb, recv_ts)
+    return rb
 
 
 @dataclass(frozen=True, slots=True)

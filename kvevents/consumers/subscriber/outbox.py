@@ -27,9 +27,9 @@ from kvevents.consumers.seqtrack import (
 )
 from kvevents.consumers.subscriber.items import (
     Anomaly,
-    ReceivedBatch,
     SubscriberItem,
     SubscriberStats,
+    received_batch,
 )
 from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
 from kvevents.events import KVEventBatch
@@ -84,7 +84,7 @@ class Outbox:
             stats.replayed_batches += 1
         self.last_delivery[key] = recv_ts
         self.items.append(
-            ReceivedBatch(key[0], key[1], seq, batch, replayed, topic, payload, recv_ts)
+            received_batch(key[0], key[1], seq, batch, replayed, topic, payload, recv_ts)
         )
 
     def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
@@ -103,7 +103,7 @@ class Outbox:
                     stats.replayed_batches += 1
                 self.last_delivery[key] = it.recv_ts
                 self.items.append(
-                    ReceivedBatch(
+                    received_batch(
                         source,
                         rank,
                         act.seq,
