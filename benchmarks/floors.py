@@ -163,15 +163,21 @@ def bench_find(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
-def bench_select_loads(quick: bool) -> list[dict[str, Any]]:
-    """``select`` with a load per worker must read every load once: that alone, against
-    ``find_matches`` (1 % of the fleet holds the prompt), sampled alternately."""
+def _fleet(quick: bool, every: int) -> tuple[random.Random, int, list[int], Router]:
+    """An 8k-token prompt and a router over 1,000 workers (100 with ``quick``), every
+    ``every``-th of which holds a prefix of it (``index.populate``), and the generator
+    that made them."""
     rng = random.Random(11)
     workers = 100 if quick else 1000
     prompt = [rng.randrange(50_000) for _ in range(8192)]
-    index = populate(workers, prompt, rng, 100)
-    router = Router(index)
-    loads = {wid: float(rng.randrange(8)) for wid in index.workers()}
+    return rng, workers, prompt, Router(populate(workers, prompt, rng, every))
+
+
+def bench_select_loads(quick: bool) -> list[dict[str, Any]]:
+    """``select`` with a load per worker must read every load once: that alone, against
+    ``find_matches`` (1 % of the fleet holds the prompt), sampled alternately."""
+    rng, workers, prompt, router = _fleet(quick, 100)
+    loads = {wid: float(rng.randrange(8)) for wid in router.index.workers()}
     router.select(prompt, loads)
     reps = 20 if quick else 300
     find_s, read_s = [], []
@@ -203,11 +209,7 @@ def bench_select_all_hold(quick: bool) -> list[dict[str, Any]]:
     plus the cost expression over its matches in one comprehension and its ``min`` (no
     loads, no tie break), against ``find_matches`` alone; ours is ``select`` itself.  All
     three sampled call by call, alternately."""
-    rng = random.Random(11)
-    workers = 100 if quick else 1000
-    prompt = [rng.randrange(50_000) for _ in range(8192)]
-    index = populate(workers, prompt, rng, 1)
-    router = Router(index)
+    _, workers, prompt, router = _fleet(quick, 1)
     router.select(prompt)
     w = router.weights
     wg, wc, ws, n = w.gpu, w.cpu, w.storage, len(prompt)
