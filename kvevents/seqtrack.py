@@ -234,9 +234,7 @@ class StreamTracker(Generic[T]):
         self._quiet = False
         if seq > self._front:
             self._front = seq
-        self.last = seq
-        self._next = seq + 1
-        self._ring[seq % self._history] = (seq, fingerprint)
+        self._advance(seq, fingerprint)
         return True
 
     def live(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:
@@ -432,10 +430,14 @@ class StreamTracker(Generic[T]):
             self._release(out)
 
     def _deliver(self, seq: int, item: T, fingerprint: Hashable, replayed: bool) -> Deliver[T]:
+        self._advance(seq, fingerprint)
+        return Deliver(seq, item, replayed)
+
+    def _advance(self, seq: int, fingerprint: Hashable) -> None:
+        """``seq`` (with ``fingerprint``) is delivered: it is the last applied seq."""
         self.last = seq
         self._next = seq + 1
         self._ring[seq % self._history] = (seq, fingerprint)
-        return Deliver(seq, item, replayed)
 
     def _release(self, out: list[TrackerAction[T]]) -> None:
         """Deliver the buffered run contiguous with ``next`` (unless held)."""

@@ -75,8 +75,9 @@ class Outbox:
         payload: bytes,
         recv_ts: float,
     ) -> None:
-        """Queue one batch of stream ``key`` as delivered (what :meth:`apply` does for a
-        ``Deliver``), without the tracker's action objects: the in-order live path."""
+        """Queue one batch of stream ``key`` as delivered and count it: what a tracker's
+        ``Deliver`` asks for (:meth:`apply`), and what the in-order live path calls
+        directly, without the tracker's action objects."""
         stats = self.stats
         stats.batches += 1
         stats.events += len(batch.events)
@@ -96,23 +97,14 @@ class Outbox:
         for act in actions:
             if isinstance(act, Deliver):
                 it = act.item
-                replayed = act.replayed or it.replayed
-                stats.batches += 1
-                stats.events += len(it.batch.events)
-                if replayed:
-                    stats.replayed_batches += 1
-                self.last_delivery[key] = it.recv_ts
-                self.items.append(
-                    received_batch(
-                        source,
-                        rank,
-                        act.seq,
-                        it.batch,
-                        replayed,
-                        it.topic,
-                        it.payload,
-                        it.recv_ts,
-                    )
+                self.deliver(
+                    key,
+                    act.seq,
+                    it.batch,
+                    act.replayed or it.replayed,
+                    it.topic,
+                    it.payload,
+                    it.recv_ts,
                 )
             elif isinstance(act, Report):
                 if act.first_seq is not None and act.last_seq is not None:
