@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.consumers.index import BlockIndex
+from kvevents.consumers.index.records import FREE_LINK
+from kvevents.consumers.index.records import counted_parent as _counted_parent
 from kvevents.consumers.index.records import gpu_refs as _gpu
 from kvevents.consumers.index.records import parent_of as _parent
 from kvevents.consumers.router import Router
@@ -57,17 +59,55 @@ def check_bounds(index: BlockIndex) -> None:
             for h in gs.meta:
                 if (wid, g, h) not in held:
                     assert (wid, g, h) in index._retired
-            # the children counts the eviction order relies on match a recount
+            # the children counts the eviction order relies on match a recount (of the
+            # links that are not free)
             kids: Counter[Any] = Counter()
             for h, m in gs.meta.items():
-                p = _parent(m)
+                p = _counted_parent(m)
                 if (wid, g, h) in held and p is not None:
                     kids[p] += 1
             # (counted once more than half the cap has been resident)
             assert gs.kids == (dict(kids) if index._tracking else {})
             assert all((wid, g, h) in held for h in gs.deferred)
+    check_free_links(index, held)
     assert index.retained_count <= index.gpu_metadata_retention
     assert index._npending == dict(Counter(k[0] for k in index._pending))
+
+
+def queue_places(index: BlockIndex) -> dict[tuple[int, Any], int]:
+    """(group object id, hash) -> its first place in the eviction queue not taken yet."""
+    cap = index._feed.cap
+    first: dict[tuple[int, Any], int] = {}
+    pos = 0
+    for i in range(cap.qhead, len(cap.qhashes)):
+        gs, x = cap.qgroups[i], cap.qhashes[i]
+        if type(x) is int or type(x) is bytes:
+            order: list[Any] = [x]
+        else:
+            order = list(x)[::-1]  # (taken from the end)
+            if i == cap.qhead and cap.qcut:
+                order = order[cap.qcut :]
+        for h in order:
+            first.setdefault((id(gs), h), pos)
+            pos += 1
+    return first
+
+
+def check_free_links(index: BlockIndex, held: set[tuple[Any, int, Any]]) -> None:
+    """A resident block whose link to its parent is free (not counted) has a place in
+    the queue before every place of its parent, so the queue takes it first."""
+    places: dict[tuple[int, Any], int] | None = None
+    for wid in index.workers():
+        for g, gs in index._workers[wid].groups.items():
+            for h, m in gs.meta.items():
+                if type(m) is int and m & FREE_LINK and (wid, g, h) in held:
+                    assert index._tracking
+                    places = queue_places(index) if places is None else places
+                    mine = places.get((id(gs), h))
+                    assert mine is not None, "a free link's block has no place in the queue"
+                    theirs = places.get((id(gs), _parent(m)))
+                    assert theirs is None or mine < theirs
+                    assert h not in gs.deferred
 
 
 @st.composite
@@ -270,7 +310,12 @@ def test_no_eviction_bookkeeping_far_below_the_cap() -> None:
     gs = index._workers[("a", 0)].groups[0]
     assert not index._tracking and gs.kids == {} and index._qhashes == []
     index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(51, 61)), 50)]))
-    assert index._tracking and len(gs.kids) == 59 and len(index) == 60
+    assert index._tracking and len(index) == 60
+    # the 51st resident block started the bookkeeping, which counted every link then
+    # (1..51 have a resident child each); so is 52's, to a block placed by that start;
+    # 53..60 link to a block of their own store: free, not counted
+    assert sorted(gs.kids) == list(range(1, 52))
+    assert [h for h, m in gs.meta.items() if m & FREE_LINK] == list(range(53, 61))
     check_bounds(index)
 
 

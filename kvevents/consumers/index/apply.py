@@ -17,6 +17,7 @@ from kvevents.consumers.index.legacy import legacy_remove, legacy_store
 from kvevents.consumers.index.marks import add_dup, drop_dup
 from kvevents.consumers.index.records import (
     CK_MASK,
+    FREE_LINK,
     GPU_ONE,
     GPU_TWO,
     HAS_CK,
@@ -110,18 +111,21 @@ class Feeder(Stores):
                                 if h in r[1] or h in r[2]:
                                     continue
                                 cap.resident -= 1
-                                if gs.deferred:
-                                    gs.deferred.pop(h, None)
-                                p = (m >> PARENT_SHIFT) & PARENT_MASK
-                                if p and gs.kids:  # its parent has one resident child fewer
-                                    kids = gs.kids
-                                    p -= 1
-                                    c = kids.pop(p, None)  # (Eviction.unkid, inline)
-                                    if c is not None:
-                                        if c > 1:
-                                            kids[p] = c - 1
-                                        elif p in gs.deferred:
-                                            cap.ready.append((gs, p))
+                                deferred = gs.deferred
+                                if deferred and h in deferred:
+                                    del deferred[h]
+                                if not m & FREE_LINK and gs.kids:
+                                    # its parent has one resident child fewer
+                                    p = (m >> PARENT_SHIFT) & PARENT_MASK
+                                    if p:
+                                        kids = gs.kids
+                                        p -= 1
+                                        c = kids.pop(p, None)  # (Eviction.unkid, inline)
+                                        if c is not None:
+                                            if c > 1:
+                                                kids[p] = c - 1
+                                            elif p in deferred:
+                                                cap.ready.append((gs, p))
                                 retired[(wid, group, h)] = None
                                 if len(retired) > retention:
                                     retention_room.trim()

@@ -7,7 +7,17 @@ first, leaves before their parents, in an order decided by the event stream alon
 resident (:attr:`Eviction.tracking`), so an index far from its cap pays nothing for it.
 The feeding code reports every entry that becomes or stops being resident here
 (:meth:`Eviction.enter`, :meth:`Eviction.add_child`, :meth:`Eviction.unkid`,
-:meth:`Eviction.queue_store`).  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stats`
+:meth:`Eviction.queue_store`).
+
+Free links: a block whose parent became resident in the same GPU store, just before
+it, with no earlier place in the queue (not in :attr:`Eviction.forgotten`), is not
+counted among its parent's children; its packed record carries
+:data:`~.records.FREE_LINK` instead.  Leaves still go before their parents: the queue
+takes a store's blocks leaf first, so such a block's first place comes before every
+place of its parent, and when the queue reaches it the block is evicted, or deferred
+and then counted (the flag cleared).  The eviction order is the one full counts give;
+the usual GPU store of many blocks costs one count instead of one per block, and
+their one-hash removals none.  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stats`
 and :mod:`.workers`.
 """
 
@@ -15,12 +25,14 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Iterable
 from itertools import islice
 from typing import Any, Union
 
 from kvevents.consumers.index.marks import TierMarks, unmark
 from kvevents.consumers.index.records import (
     CK_MASK,
+    FREE_LINK,
     GPU_ONE,
     HAS_CK,
     PARENT_MASK,
@@ -28,6 +40,7 @@ from kvevents.consumers.index.records import (
     Hash,
     Record,
     content_key,
+    counted_parent,
     gpu_refs,
     parent_of,
 )
@@ -38,8 +51,9 @@ __all__ = ["Eviction", "QueueItem"]
 
 QueueItem = Union[Hash, "array[int]", tuple[Hash, ...]]
 """One item of the eviction queue: an entry's hash, or a GPU store's hashes in store
-order (root first), taken from the end (leaf first): an ``array("Q")`` when they are all
-unsigned 64-bit ints (as vLLM's are), else a tuple."""
+order (root first), taken from the end (leaf first): a tuple of the event's hashes when
+queued (cheap to make), rewritten by compaction as an ``array("Q")`` when they are all
+unsigned 64-bit ints (as vLLM's are)."""
 
 
 class Eviction:
@@ -58,12 +72,13 @@ class Eviction:
     ``qhead``, of whose hashes (a store's, from its end) ``qcut`` are already taken.
     Its length in hashes, ``qlen``, counts the ``qtaken`` hashes already taken from its
     front too: the queue is the same sequence of hashes as one item per block would
-    be, in fewer items.  A store's hashes in an array are plain numbers, not objects:
-    the queue keeps no hash object alive, and looking its hashes up touches no old
-    object (most of them have left the index by then).
+    be, in fewer items.  A store that compaction keeps becomes an array of plain
+    numbers, not objects: the queue keeps no hash object alive beyond one compaction
+    period, and looking its hashes up touches no old object.
     """
 
     __slots__ = (
+        "forgotten",
         "marks",
         "max_blocks",
         "qcut",
@@ -110,29 +125,36 @@ class Eviction:
         self.storing = False
         self.tracking = False
         self.watch = max_blocks // 2
+        # (tracking only) hashes that lost their record, or stopped being resident
+        # without one, since the last compaction: they may still have places in the
+        # queue, so a link to one of them is never free.  Emptied by compact().
+        self.forgotten: set[Hash] = set()
 
     # ------------------------------------------------------------------ bookkeeping
 
     def enter(self, gs: GroupState, h: Hash, m: Record | None) -> None:
-        """(Tracking only.)  ``h`` became resident through a CPU/STORAGE store: one more
-        resident child for its parent, and its place in the eviction queue."""
+        """(Tracking only.)  ``h`` (record ``m``) became resident through a CPU/STORAGE
+        store: one more resident child for its parent, and its place in the eviction
+        queue."""
         if m is not None:
-            p = parent_of(m)
-            if p is not None:
-                gs.kids[p] = gs.kids.get(p, 0) + 1
+            self.add_child(gs, h, m)
         self.qgroups.append(gs)
         self.qhashes.append(h)
         self.qlen += 1
         if self.qlen > self.qlimit:
             self.compact()
 
-    def add_child(self, gs: GroupState, m: Record | None) -> None:
-        """(Tracking only.)  An entry with record ``m`` became resident through a GPU
-        store: one more resident child for its parent (the store queues it)."""
+    def add_child(self, gs: GroupState, h: Hash, m: Record | None) -> None:
+        """(Tracking only.)  ``h`` (record ``m``) became resident: one more resident child
+        for its parent (the GPU store, or :meth:`enter`, queues it).  A
+        :data:`~.records.FREE_LINK` left from an earlier residency is cleared: this
+        link is counted."""
         if m is not None:
             p = parent_of(m)
             if p is not None:
                 gs.kids[p] = gs.kids.get(p, 0) + 1
+            if type(m) is int and m & FREE_LINK:
+                gs.meta[h] = m - FREE_LINK
 
     def queue_store(self, gs: GroupState, hashes: Any) -> None:
         """Queue a GPU store's blocks for eviction as one item, taken leaf first (they
@@ -144,13 +166,7 @@ class Eviction:
             n = len(hashes)
             if n:
                 item: QueueItem
-                if n == 1:
-                    item = hashes[0]
-                else:
-                    try:
-                        item = array("Q", hashes)
-                    except (TypeError, OverflowError):  # bytes, negative or wider hashes
-                        item = tuple(hashes)
+                item = hashes[0] if n == 1 else tuple(hashes)
                 self.qgroups.append(gs)
                 self.qhashes.append(item)
                 self.qlen += n
@@ -199,10 +215,7 @@ class Eviction:
             item = run[0]
         else:
             run.reverse()  # (an item's hashes are taken from its end)
-            try:
-                item = array("Q", run)  # type: ignore[arg-type]
-            except (TypeError, OverflowError):
-                item = tuple(run)
+            item = _packed(run)
         self.qgroups.append(gs)
         self.qhashes.append(item)
         self.qlen += len(run)
@@ -223,19 +236,26 @@ class Eviction:
         child of the new record's parent."""
         if not self.tracking:
             return
-        po, pn = parent_of(old), parent_of(new)
+        po, pn = counted_parent(old), counted_parent(new)
         if po != pn and gs.held(h):
             if po is not None:
                 self.unkid(gs, po)
             if pn is not None:
                 gs.kids[pn] = gs.kids.get(pn, 0) + 1
 
-    def clear_group(self, gs: GroupState, resident: int) -> None:
-        """``resident`` entries of ``gs`` stopped being resident at once (a clear or a
+    def clear_group(self, gs: GroupState, held: set[Hash]) -> None:
+        """The entries ``held`` of ``gs`` stopped being resident at once (a clear or a
         reset): nothing of the group is resident any more."""
-        self.resident -= resident
+        self.resident -= len(held)
         gs.kids.clear()
         gs.deferred.clear()
+        self.forget(held)
+
+    def forget(self, hashes: Iterable[Hash]) -> None:
+        """``hashes`` lost their records, or their residency without a record: they may
+        still have places in the queue (see :attr:`forgotten`)."""
+        if self.tracking:
+            self.forgotten.update(hashes)
 
     # ------------------------------------------------------------------ eviction
 
@@ -303,6 +323,8 @@ class Eviction:
                         continue
                     if gs.kids and h in gs.kids:
                         gs.deferred[h] = None
+                        if type(m) is int and m & FREE_LINK:  # now counted
+                            self.add_child(gs, h, m)
                         continue
                     if gs.deferred and h in gs.deferred:
                         continue
@@ -348,12 +370,13 @@ class Eviction:
             ck = m & CK_MASK if m & HAS_CK else None
             on_gpu = m >= GPU_ONE
             pf = (m >> PARENT_SHIFT) & PARENT_MASK
-            p = pf - 1 if pf else None
+            p = pf - 1 if pf and not m & FREE_LINK else None
         elif m is not None:
             del gs.meta[h]
             ck, on_gpu, p = content_key(m), gpu_refs(m) > 0, parent_of(m)
         else:
             ck, on_gpu, p = None, False, None
+        self.forgotten.add(h)  # (later places of h in the queue may remain)
         bit = gs.bit
         r = gs.refs
         if ck is not None:
@@ -447,10 +470,10 @@ class Eviction:
             if not res:
                 continue
             if len(res) == len(x) and kept.isdisjoint(x) and deferred.keys().isdisjoint(x):
-                kept.update(x)  # (a store kept whole, as the last compaction left it)
+                kept.update(x)  # (a store kept whole)
                 n += len(x)
                 g_append(gs)
-                h_append(x)
+                h_append(x if type(x) is array else _packed(x))
                 continue
             keep: list[Any] = []  # (the hashes of x: ints when x is an array)
             for h in reversed(res):  # (queue order: leaf first)
@@ -466,11 +489,22 @@ class Eviction:
                 h_append(keep[0])
             else:
                 keep.reverse()
-                h_append(array("Q", keep) if type(x) is array else tuple(keep))
+                h_append(_packed(keep))
         self.qgroups, self.qhashes, self.qhead = ng, nh, 0
         self.qcut = self.qtaken = 0
         self.qlen = n
         self.qlimit = max(1 << 16, 4 * n)
+        # every place left is a resident entry's (forget() hears when one stops being)
+        self.forgotten.clear()
+
+
+def _packed(hashes: Any) -> QueueItem:
+    """A store's hashes as an ``array("Q")`` (plain numbers), or a tuple when some do not
+    fit (bytes, negative or wider than 64 bits)."""
+    try:
+        return array("Q", hashes)
+    except (TypeError, OverflowError):
+        return tuple(hashes)
 
 
 def _chain_one(gs: GroupState, x: QueueItem, rest: Any) -> Any:

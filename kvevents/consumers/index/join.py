@@ -5,7 +5,8 @@ store has not arrived waits in the :class:`PendingTable` (at most ``max_pending`
 entries; one pushed out, cleared or removed before it joins is counted as unjoined); a
 metadata record no tier holds any more is kept by :class:`Retention` (at most
 ``limit``; the oldest go first) for a CPU store arriving after the GPU removal and as the
-parent of later stores.  Imports :mod:`.records`, :mod:`.stats` and :mod:`.workers`.
+parent of later stores.  Imports :mod:`.eviction` (to tell it which hashes lost their
+records), :mod:`.records`, :mod:`.stats` and :mod:`.workers`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.records import GPU_ONE, Hash, gpu_refs
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerTable
@@ -107,15 +109,17 @@ class Retention:
 
     ``records`` is keyed by (worker, group, hash); an entry that becomes resident again
     leaves it (:meth:`forget`), one dropped beyond ``limit`` loses its record (counted in
-    ``stats.metadata_evicted``).  ``table`` is the index's worker table, to find the records.
+    ``stats.metadata_evicted``, and added to ``cap.forgotten`` while the memory cap's
+    bookkeeping runs).  ``table`` is the index's worker table, to find the records.
     """
 
-    __slots__ = ("limit", "records", "stats", "table")
+    __slots__ = ("cap", "limit", "records", "stats", "table")
 
-    def __init__(self, limit: int, table: WorkerTable, stats: IndexStats) -> None:
+    def __init__(self, limit: int, table: WorkerTable, stats: IndexStats, cap: Eviction) -> None:
         self.limit = limit
         self.table = table
         self.stats = stats
+        self.cap = cap
         self.records: OrderedDict[EntryKey, None] = OrderedDict()
 
     def retire(self, wid: WorkerId, gs: GroupState, h: Hash) -> None:
@@ -151,3 +155,5 @@ class Retention:
                 continue
             del ogs.meta[oh]
             self.stats.metadata_evicted += 1
+            if self.cap.tracking:  # (its places in the eviction queue may remain)
+                self.cap.forgotten.add(oh)

@@ -13,7 +13,10 @@ A record is, for memory, usually one packed int (about 52 bytes):
 * bits 65-84: end position in blocks + 1 (0: unknown; :data:`END_SHIFT`);
 * bits 85-104: block size in tokens (:data:`SIZE_SHIFT`);
 * bits 105-169: parent hash + 1 (0: none; :data:`PARENT_SHIFT`, :data:`PARENT_MASK`);
-* bits 170 and up: the GPU refcount (:data:`GPU_SHIFT`; one reference is
+* bit 170: :data:`FREE_LINK`, set while the block is resident and its parent's
+  resident-children count leaves it out (the memory cap's bookkeeping, see
+  :mod:`.eviction`);
+* bits 171 and up: the GPU refcount (:data:`GPU_SHIFT`; one reference is
   :data:`GPU_ONE`).
 
 Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
@@ -32,6 +35,7 @@ __all__ = [
     "CK_MASK",
     "END_SHIFT",
     "FIELD_MASK",
+    "FREE_LINK",
     "F_CHAIN",
     "F_CK",
     "F_END",
@@ -54,6 +58,7 @@ __all__ = [
     "block_size",
     "chain_key",
     "content_key",
+    "counted_parent",
     "end_tokens",
     "gpu_refs",
     "pack",
@@ -84,7 +89,13 @@ PARENT_SHIFT = 105
 """Shift of the parent field: parent hash + 1 (0: none)."""
 PARENT_MASK = (1 << 65) - 1
 """Mask of the parent field (after shifting)."""
-GPU_SHIFT = 170
+FREE_LINK = 1 << 170
+"""Set in the packed record of a resident block that its parent's resident-children count
+(``GroupState.kids``) does not count: the block and its parent became resident in one
+GPU store, the parent with no earlier place in the eviction queue, so the queue takes
+the block first (see :class:`~.eviction.Eviction`).  Meaningless while the block is not
+resident; tuple records never carry it."""
+GPU_SHIFT = 171
 """Shift of the GPU refcount (the top bits: a packed record >= GPU_ONE is held on GPU)."""
 GPU_ONE = 1 << GPU_SHIFT
 """One GPU reference, to add to or subtract from a packed record."""
@@ -182,6 +193,18 @@ def end_tokens(m: Record) -> int | None:
 def parent_of(m: Record) -> Hash | None:
     """The parent block's hash, or None (a root, or unknown)."""
     if isinstance(m, int):
+        p = (m >> PARENT_SHIFT) & PARENT_MASK
+        return p - 1 if p else None
+    parent: Hash | None = m[F_PARENT]
+    return parent
+
+
+def counted_parent(m: Record) -> Hash | None:
+    """The parent whose resident-children count includes this (resident) block: its
+    parent, or None for a root, an unknown parent or a :data:`FREE_LINK`."""
+    if isinstance(m, int):
+        if m & FREE_LINK:
+            return None
         p = (m >> PARENT_SHIFT) & PARENT_MASK
         return p - 1 if p else None
     parent: Hash | None = m[F_PARENT]

@@ -25,6 +25,7 @@ from kvevents.consumers.index.marks import TierMarks, drop_dup, mark, unmark
 from kvevents.consumers.index.records import (
     CK_MASK,
     F_GPU,
+    FREE_LINK,
     GPU_ONE,
     GPU_SHIFT,
     HAS_CK,
@@ -34,8 +35,8 @@ from kvevents.consumers.index.records import (
     Record,
     add_gpu,
     content_key,
+    counted_parent,
     gpu_refs,
-    parent_of,
 )
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import (
@@ -93,7 +94,7 @@ class RefRules:
         )
         self.cap = Eviction(max_blocks, self.table, self.marks, self.stats)
         self.pending = PendingTable(max_pending, self.stats)
-        self.retention = Retention(gpu_metadata_retention, self.table, self.stats)
+        self.retention = Retention(gpu_metadata_retention, self.table, self.stats, self.cap)
 
     @property
     def workers(self) -> dict[WorkerId, WorkerState]:
@@ -161,7 +162,7 @@ class RefRules:
             if tier:
                 cap.enter(gs, h, m)
             else:  # (a GPU store: the store queues the event's blocks)
-                cap.add_child(gs, m)
+                cap.add_child(gs, h, m)
         if cap.resident > cap.watch:
             cap.watch_hit()
 
@@ -233,7 +234,7 @@ class RefRules:
                         if gs.deferred:
                             gs.deferred.pop(h, None)
                         p = (m >> PARENT_SHIFT) & PARENT_MASK
-                        if p and gs.kids:
+                        if p and gs.kids and not m & FREE_LINK:
                             cap.unkid(gs, p - 1)
                         retired[(wid, group, h)] = None
                         if len(retired) > retention.limit:
@@ -249,12 +250,14 @@ class RefRules:
                 if gs.deferred:
                     gs.deferred.pop(h, None)
                 if m is not None:
-                    mp = parent_of(m)
-                    if mp is not None:
+                    mp = counted_parent(m)
+                    if mp is not None and gs.kids:
                         cap.unkid(gs, mp)
                     retired[(wid, group, h)] = None
                     if len(retired) > retention.limit:
                         retention.trim()
+                elif cap.tracking:  # (held without a record: its places stay queued)
+                    cap.forgotten.add(h)
         if removed:
             self.stats.removed[TIERS[tier]] += removed
         if unknown:
@@ -304,7 +307,7 @@ class RefRules:
                         unmark(marks, ck, bit)
                 held.update(refs)
                 refs.clear()
-            self.cap.clear_group(gs, len(held))
+            self.cap.clear_group(gs, held)
             if keep_metadata:
                 for h in held:
                     if h in gs.meta:
@@ -312,6 +315,7 @@ class RefRules:
             else:
                 for h in gs.meta:
                     self.retention.forget(wid, gs.group, h)
+                self.cap.forget(gs.meta)
                 gs.meta.clear()
         self.pending.drop_worker(wid)
 

@@ -34,8 +34,10 @@ from kvevents.version import __version__
 
 __all__ = ["SNAPSHOT_FORMAT", "restore_index", "snapshot_index"]
 
-SNAPSHOT_FORMAT = 2
-"""Bumped whenever the encoding below changes."""
+SNAPSHOT_FORMAT = 3
+"""Version of the snapshot layout, bumped whenever the encoding below changes (3: packed
+records carry the free-link bit, the GPU refcount one bit higher); snapshots of other
+versions are refused."""
 
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 _ENC = msgspec.msgpack.Encoder()
@@ -114,6 +116,15 @@ def _pack_plain_dict(d: dict[Any, Any], tag: str) -> list[Any] | None:
     return [tag, [_lists(k) for k in d], [_lists(v) for v in d.values()]]
 
 
+def _sorted(items: Any) -> list[Any]:
+    """``items`` in an order that depends on their values only (hashes are ints or
+    bytes: sorted by type, then value)."""
+    try:
+        return sorted(items, key=lambda x: (type(x).__name__, x))
+    except TypeError:
+        return sorted(items, key=repr)
+
+
 def _le_bytes(a: array[Any]) -> bytes:
     """An array's items as little-endian bytes (its own byte order is the machine's)."""
     if sys.byteorder == "little":
@@ -174,8 +185,8 @@ class _Writer:
             return ["q", [self.enc(x) for x in v], v.maxlen]
         if t is array:
             return ["a", v.typecode, _le_bytes(v)]
-        if t is set or t is frozenset:
-            return ["s" if t is set else "f", [self.enc(x) for x in v]]
+        if t is set or t is frozenset:  # (sorted: equal sets give equal bytes)
+            return ["s" if t is set else "f", [self.enc(x) for x in _sorted(v)]]
         if not t.__module__.startswith(self.module) and not dataclasses.is_dataclass(v):
             raise ConfigError(f"cannot snapshot a {t.__module__}.{t.__qualname__}")
         ref = self.ids.get(id(v))

@@ -37,6 +37,7 @@ from kvevents.consumers.index.records import (
     CK_MASK,
     END_SHIFT,
     FIELD_MASK,
+    FREE_LINK,
     GPU_ONE,
     HAS_CK,
     PARENT_SHIFT,
@@ -191,6 +192,10 @@ class Stores(RefRules):
             setdefault = meta.setdefault
             kids = gs.kids
             kids_get = kids.get
+            forgotten = cap.forgotten
+            # FREE_LINK when the next block's link to this one is free (see
+            # Eviction): this block became resident here, with no place in the queue
+            free = 0
             try:
                 for h in hashes if tbuf is not None else ():
                     if type(h) is not int or not 0 <= h <= CK_MASK:
@@ -211,7 +216,7 @@ class Stores(RefRules):
                         v = fixed
                     if end_field:
                         v += end_field + step
-                    v += parent_field
+                    v += parent_field + free
                     # insert only if new (a fresh int is never the stored object)
                     if setdefault(h, v) is not v:
                         break  # the hash has a record: the general path takes over
@@ -229,14 +234,18 @@ class Stores(RefRules):
                         stats.skipped["unknown_parent"] += 1
                     if h not in r1 and h not in r2:
                         resident += 1
-                        if tracking and parent is not None:
-                            kids[parent] = kids_get(parent, 0) + 1
+                        if tracking:
+                            if parent is not None and not free:
+                                kids[parent] = kids_get(parent, 0) + 1
+                            free = 0 if h in forgotten else FREE_LINK
                         if resident > watch:
                             cap.resident = resident
                             cap.watch_hit()
                             resident = cap.resident
                             watch = cap.watch
                             tracking = True
+                    else:
+                        free = 0
                     pk = k
                     parent_field = (h + 1) << PARENT_SHIFT
                     parent = h
