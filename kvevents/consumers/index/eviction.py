@@ -414,9 +414,9 @@ class Eviction:
         in a shorter item."""
         # per live group (a removed worker's are skipped): what the loop reads, and the
         # hashes already kept
-        live: dict[GroupState, tuple[Any, dict[Hash, int], dict[Hash, int], Any, set[Hash]]]
+        live: dict[GroupState, tuple[Any, Any, dict[Hash, int], dict[Hash, int], Any, set[Hash]]]
         live = {
-            g: (g.meta.get, g.refs[1], g.refs[2], g.deferred, set())
+            g: (g.meta.get, g.meta.keys(), g.refs[1], g.refs[2], g.deferred, set())
             for _, g in self.table.slots.values()
         }
         ng: list[GroupState] = []
@@ -430,6 +430,7 @@ class Eviction:
         head = self.qhead
         g_append, h_append = ng.append, nh.append
         meta_get: Any = None
+        recorded: Any = None
         n = 0  # hashes kept
         items: Any = zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None))
         if self.qcut:  # the head store's hashes not taken yet
@@ -440,7 +441,7 @@ class Eviction:
                 last = gs
                 st = live.get(gs)
                 if st is not None:
-                    meta_get, r1, r2, deferred, kept = st
+                    meta_get, recorded, r1, r2, deferred, kept = st
             if st is None:
                 continue
             if type(x) is int or type(x) is bytes:
@@ -458,8 +459,17 @@ class Eviction:
                 g_append(gs)
                 h_append(h)
                 continue
-            # a GPU store: its resident hashes, in order (a packed record >= GPU_ONE is
-            # held on GPU; a tuple record raises TypeError here: GroupState.held then)
+            # a GPU store.  Usually none of its hashes has a record or a CPU/STORAGE
+            # reference any more (its blocks were removed and their records trimmed):
+            # one C-level pass each tells
+            if (
+                recorded.isdisjoint(x)
+                and (not r1 or r1.keys().isdisjoint(x))
+                and (not r2 or r2.keys().isdisjoint(x))
+            ):
+                continue
+            # its resident hashes, in order (a packed record >= GPU_ONE is held on GPU;
+            # a tuple record raises TypeError here: GroupState.held then)
             try:
                 if r1 or r2:
                     res = [y for y in x if meta_get(y, 0) >= GPU_ONE or y in r1 or y in r2]
