@@ -203,21 +203,32 @@ class RestoredRouterState:
 def restore_latest(
     url: str, stream: str = DEFAULT_STREAM, bucket: str = DEFAULT_BUCKET, **index_options: Any
 ) -> RestoredRouterState:
-    """The newest snapshot's index and a reader that resumes after it (the whole stream
-    from the start, with an empty index, when there is no snapshot)."""
+    """The newest readable snapshot's index and a reader that resumes after it.
+
+    A snapshot this kvevents cannot read (another envelope or index format, as after an
+    upgrade that changed the index's layout, or damaged bytes) is skipped with a warning
+    naming it and why, and the next older one is tried; with none readable (or none at
+    all) the index is empty (``index_options``) and the reader starts from the stream's
+    first batch.  ``index_options`` apply only then: a restored index keeps the options
+    it was snapshotted with."""
     with SnapshotStore(url, stream, bucket) as store:
-        env = store.latest()
-        name = store.names()[-1] if env is not None else None
-    if env is None:
-        return RestoredRouterState(
-            BlockIndex(**index_options), JetStreamSubscriber(url, stream), None
-        )
+        for name in reversed(store.names()):
+            try:
+                env = store.get(name)
+                index = BlockIndex.restore(_inflate(name, env.index))
+            except ConfigError as exc:
+                logger.warning("skipping snapshot %s: %s", name, exc)
+                continue
+            reader = JetStreamSubscriber(url, stream, position=env.position)
+            return RestoredRouterState(index, reader, name)
+    return RestoredRouterState(BlockIndex(**index_options), JetStreamSubscriber(url, stream), None)
+
+
+def _inflate(name: str, data: bytes) -> bytes:
     try:
-        raw = zlib.decompress(env.index)
+        return zlib.decompress(data)
     except zlib.error as exc:
         raise ConfigError(f"snapshot {name} is damaged: {exc}") from exc
-    index = BlockIndex.restore(raw)
-    return RestoredRouterState(index, JetStreamSubscriber(url, stream, position=env.position), name)
 
 
 class Snapshotter:

@@ -3,12 +3,23 @@ replays only what followed, and ends with the index a full replay gives."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
+
+import pytest
 
 from kvevents.consumers import BlockIndex
+from kvevents.consumers.index import snapshot as index_snapshot
 from kvevents.jetstream import LocalNatsServer
-from kvevents.jetstream.snapshots import SnapshotStore, Snapshotter, apply_item, restore_latest
+from kvevents.jetstream.snapshots import (
+    RestoredRouterState,
+    SnapshotStore,
+    Snapshotter,
+    apply_item,
+    restore_latest,
+)
 
 from .helpers import (
     Engine,
@@ -79,3 +90,90 @@ def test_no_snapshot_means_a_full_replay(nats_server: LocalNatsServer, engine: E
     state = restore_latest(nats_server.url)
     assert state.snapshot is None and isinstance(state.index, BlockIndex)
     state.subscriber.close()
+
+
+def _relay_with_snapshots(
+    url: str, engine: Engine, rounds: list[int], before_round: Callable[[int], None]
+) -> int:
+    """Relay ``engine`` and snapshot every 10 batches; round ``i`` publishes ``rounds[i]``
+    batches (a multiple of 10) after ``before_round(i)`` and waits for its snapshots.
+    Returns the batches published."""
+    from kvevents.jetstream import JetStreamRelay
+
+    relay = JetStreamRelay(url, [engine.spec()])
+    stop, t = run_relay_thread(relay)
+    snap_stop = threading.Event()
+    snapper = Snapshotter(url, every=10, keep=10)
+    st = threading.Thread(target=snapper.run, args=(snap_stop,), daemon=True)
+    st.start()
+    total = 0
+    try:
+        for i, n in enumerate(rounds):
+            before_round(i)
+            engine.publish(n)
+            total += n
+            assert relay.wait_appended(total, 20)
+            want = total // 10
+            assert wait_until(lambda want=want: snapper.taken >= want, 20)
+    finally:
+        snap_stop.set()
+        stop.set()
+        t.join(10)
+        relay.close()
+    st.join(10)
+    return total
+
+
+def _catch_up(state: RestoredRouterState, total: int) -> int:
+    """Apply what follows the restored state's position up to ``total``; returns how
+    many batches that was."""
+    replayed = 0
+    with state.subscriber as sub:
+        deadline = time.monotonic() + 20
+        while state.subscriber.position.stream_seq < total and time.monotonic() < deadline:
+            item = sub.receive(timeout=0.2)
+            if item is not None:
+                apply_item(state.index, item)
+                replayed += 1
+    return replayed
+
+
+def test_an_unreadable_newest_snapshot_falls_back_to_an_older_one(
+    nats_server: LocalNatsServer, engine: Engine, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The newest snapshot was written by a kvevents with another index format (as after
+    an upgrade): it is skipped with a warning, the older one is restored, and the
+    router ends where a full replay does."""
+
+    def second_round_writes_another_format(i: int) -> None:
+        if i == 1:
+            monkeypatch.setattr(
+                index_snapshot, "SNAPSHOT_FORMAT", index_snapshot.SNAPSHOT_FORMAT - 1
+            )
+
+    total = _relay_with_snapshots(
+        nats_server.url, engine, [10, 10], second_round_writes_another_format
+    )
+    monkeypatch.undo()
+    with SnapshotStore(nats_server.url) as store:
+        names = store.names()
+    assert len(names) == 2
+    with caplog.at_level(logging.WARNING, logger="kvevents.jetstream.snapshots"):
+        state = restore_latest(nats_server.url)
+    assert state.snapshot == names[0]
+    assert any(names[1] in r.getMessage() and "format" in r.getMessage() for r in caplog.records)
+    assert _catch_up(state, total) == 10
+    assert holdings(state.index) == holdings(engine.truth())
+
+
+def test_no_readable_snapshot_means_a_full_replay(
+    nats_server: LocalNatsServer, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_snapshot, "SNAPSHOT_FORMAT", index_snapshot.SNAPSHOT_FORMAT - 1)
+    total = _relay_with_snapshots(nats_server.url, engine, [20], lambda i: None)
+    monkeypatch.undo()
+    state = restore_latest(nats_server.url)
+    assert state.snapshot is None and len(state.index) == 0
+    assert _catch_up(state, total) == total
+    assert holdings(state.index) == holdings(engine.truth())
