@@ -28,7 +28,7 @@ def test_two_services_on_one_stream_hold_the_same_index(
         t.join(10)
         relay.close()
     config = load_config(engines=["e0=http://127.0.0.1:9"], options={"nats_url": nats_server.url})
-    assert config.nats_url == nats_server.url and config.engines[0].events == ""
+    assert config.nats_url == nats_server.url and config.engines[0].events_endpoint is None
     fleets = [Fleet(config), Fleet(config)]
     try:
         for f in fleets:
