@@ -361,3 +361,18 @@ def test_the_eviction_queue_holds_one_item_per_gpu_store() -> None:
     evicted = index.stats.evicted_by_cap
     assert evicted == 18 * 8 - len(index) and evicted % 8
     assert {h for (_, _, h) in held_entries(index)} == set(order[evicted:])
+
+
+def test_forgotten_hashes_stay_bounded_when_eviction_keeps_the_queue_short() -> None:
+    """With a tiny cap, eviction takes the queue as fast as stores fill it, so the queue
+    never asks for a compaction; the set of hashes that lost their records (kept until
+    the next compaction) must not grow with the stream for that."""
+    index = BlockIndex(max_blocks=8, gpu_metadata_retention=0)
+    cap = index._feed.cap
+    most = 0
+    for i in range(5_000):
+        index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(16 * i + 1, 16 * i + 17)), None)]))
+        assert len(index) <= 8
+        most = max(most, len(cap.forgotten))
+    assert index.stats.evicted_by_cap > 70_000  # more hashes forgotten than one qlimit
+    assert most <= cap.qlimit + 16

@@ -127,7 +127,9 @@ class Eviction:
         self.watch = max_blocks // 2
         # (tracking only) hashes that lost their record, or stopped being resident
         # without one, since the last compaction: they may still have places in the
-        # queue, so a link to one of them is never free.  Emptied by compact().
+        # queue, so a link to one of them is never free.  Emptied by compact(), which
+        # also runs when this set outgrows qlimit (where eviction takes the queue
+        # faster than it grows, so the queue alone would never ask for one).
         self.forgotten: set[Hash] = set()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -141,7 +143,7 @@ class Eviction:
         self.qgroups.append(gs)
         self.qhashes.append(h)
         self.qlen += 1
-        if self.qlen > self.qlimit:
+        if self.qlen > self.qlimit or len(self.forgotten) > self.qlimit:
             self.compact()
 
     def add_child(self, gs: GroupState, h: Hash, m: Record | None) -> None:
@@ -170,7 +172,7 @@ class Eviction:
                 self.qgroups.append(gs)
                 self.qhashes.append(item)
                 self.qlen += n
-                if self.qlen > self.qlimit:
+                if self.qlen > self.qlimit or len(self.forgotten) > self.qlimit:
                     self.compact()
         if self.resident > self.watch:
             self.watch_hit()
