@@ -155,5 +155,7 @@ class Retention:
                 continue
             del ogs.meta[oh]
             self.stats.metadata_evicted += 1
-            if self.cap.tracking:  # (its places in the eviction queue may remain)
+            # its places in the eviction queue may remain (Eviction.forget, inline: this
+            # runs once per removed block)
+            if self.cap.tracking:
                 self.cap.forgotten.add(oh)

@@ -256,8 +256,8 @@ class RefRules:
                     retired[(wid, group, h)] = None
                     if len(retired) > retention.limit:
                         retention.trim()
-                elif cap.tracking:  # (held without a record: its places stay queued)
-                    cap.forgotten.add(h)
+                else:  # held without a record: its places stay queued
+                    cap.forget((h,))
         if removed:
             self.stats.removed[TIERS[tier]] += removed
         if unknown:
