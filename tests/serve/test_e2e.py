@@ -235,6 +235,10 @@ def test_service_endpoints_answer_as_documented(fleet: Fleet) -> None:
         for w in workers:
             assert {"blocks", "state", "last_seq", "lag_s", "anomalies", "ready"} <= set(w)
             assert set(w["blocks"]) == {"GPU", "CPU", "STORAGE"}
+        # One request of its own: the request metrics exist once one was served (this
+        # test may run alone).
+        r = c.post("/v1/completions", json={"prompt": SYSTEM + "metrics", "max_tokens": 2})
+        assert r.status_code == 200
         metrics = c.get("/metrics").text
         for name in (
             "kvevents_subscriber_batches_total",

@@ -11,16 +11,16 @@ Layout:
   chunk ``c`` lives in row ``c·blocks_per_chunk + j``.
 
 Copies are batched and move every byte once.  On CPU the transfer's rows are sorted and
-split into runs of consecutive rows, either on the destination side (one NumPy
-``take(src, idx, out=dst[run])`` per run) or on the source side (one ``dst[idx] =
-src[run]`` per run), whichever gives fewer calls; there is no Python loop per block.
-NumPy's row gather/scatter moves each row as one contiguous block (torch's CPU
-``index_copy_`` ran at ~0.7x of a plain copy).  Rows are viewed with the widest integer
-type that tiles a page.  A large CPU transfer is split into shares of about equal rows
-copied on ``copy_threads`` threads at once (as torch's own CPU copy uses its intra-op
-threads; NumPy releases the GIL while it copies).  On CUDA the blocks are gathered on the device, and each run is
-one asynchronous copy on a side stream that waits for the compute stream; transfers stay in submission
-order and report their device time.
+split into runs of consecutive rows, either on the destination side (one
+``torch.index_select(src, 0, idx, out=dst[run])`` per run) or on the source side (one
+``dst.index_copy_(0, idx, src[run])`` per run), whichever gives fewer calls; there is no
+Python loop per block.  Both run on torch's intra-op threads (``torch.set_num_threads``),
+the threads torch's own CPU copy uses, so a transfer neither waits for nor competes with
+threads of its own.  Rows are viewed with the widest element type that tiles a page, and
+pages of 128 KiB or more are copied as sub-rows of 64 KiB or more (the copy kernels
+split their work by rows).  On CUDA the blocks are gathered on the device, and each run is one
+asynchronous copy on a side stream that waits for the compute stream; transfers stay in
+submission order and report their device time.
 
 :class:`CPUTransferWorker` reports completion through
 :meth:`CPUTransferWorker.get_finished`; :class:`OffloadTransferDriver` turns those
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,12 +76,19 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _widest(rows: torch.Tensor) -> torch.Tensor:
-    """An int8 row view re-viewed with the widest integer type that tiles its pages.
+    """An int8 row view re-viewed with the widest element type that tiles its pages.
 
     Copy kernels move wide elements several times faster than bytes; the bits are the
-    same.
+    same.  The widest is ``complex128``, used only as a 16-byte container: the copies
+    move its elements without arithmetic, so every bit pattern (NaN payloads included)
+    arrives unchanged, and scattering 16-byte elements runs faster than 8-byte ones.
     """
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+    for dtype, size in (
+        (torch.complex128, 16),
+        (torch.int64, 8),
+        (torch.int32, 4),
+        (torch.int16, 2),
+    ):
         if rows.shape[1] % size == 0 and rows.data_ptr() % size == 0:
             return rows.view(dtype)
     return rows
@@ -161,24 +168,20 @@ class TransferStats:
 
 
 Runs = list[tuple[int, int, int]]  # (destination start, index start, length)
-# (source array, destination array, run start, run end, index array); see _copy_cpu
-_Piece = tuple[npt.NDArray[Any], npt.NDArray[Any], int, int, npt.NDArray[np.int64]]
-# A CPU transfer uses one more copy thread per this many bytes (up to ``copy_threads``):
-# below it, handing work to a thread costs more than it saves.
-_MIN_BYTES_PER_THREAD = 4 << 20
+# CPU copies split pages wider than twice this into sub-rows of at least this many bytes:
+# torch's row copies share their work between threads by rows, and a transfer of a few
+# wide pages otherwise leaves threads idle.
+_SUB_ROW_BYTES = 64 << 10
 
 
-def _copy_pieces(pieces: list[_Piece], gather: bool) -> None:
-    """Run the row copies of ``pieces``: gathers (``take`` into a run of destination
-    rows) or scatters (a run of source rows into indexed destination rows)."""
-    if gather:
-        # ``mode="clip"`` only skips NumPy's bounds pass (and its buffered ``out``):
-        # every index was range-checked by ``_plan``.
-        for src, dst, lo, hi, idx in pieces:
-            np.take(src, idx, axis=0, out=dst[lo:hi], mode="clip")
-    else:
-        for src, dst, lo, hi, idx in pieces:
-            dst[idx] = src[lo:hi]
+def _sub_rows(width: int, itemsize: int) -> int:
+    """How many sub-rows a row of ``width`` elements of ``itemsize`` bytes is copied as:
+    the largest power of two that divides ``width`` and leaves sub-rows of at least
+    :data:`_SUB_ROW_BYTES`."""
+    k = 1
+    while width % (2 * k) == 0 and width // (2 * k) * itemsize >= _SUB_ROW_BYTES:
+        k *= 2
+    return k
 
 
 def _runs(
@@ -242,13 +245,13 @@ class CPUTransferWorker:
         buffers: HostChunkBuffers | None = None,
         copy_threads: int | None = None,
     ) -> None:
-        if copy_threads is not None and copy_threads < 1:
-            raise OffloadError("copy_threads must be at least 1")
-        #: Threads a large CPU transfer may use (default: ``torch.get_num_threads()``,
-        #: the threads torch's own CPU copies use); CUDA transfers ignore it.
-        self.copy_threads = copy_threads or max(1, torch.get_num_threads())
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
+        if copy_threads is not None:
+            warnings.warn(
+                "CPUTransferWorker(copy_threads=...) is deprecated and ignored: CPU copies run "
+                "on torch's intra-op threads (set them with torch.set_num_threads)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if buffers is None:
             if kv_caches is None:
                 raise OffloadError("give kv_caches and num_chunks, or buffers")
@@ -307,74 +310,42 @@ class CPUTransferWorker:
 
     def _copy_cpu(self, plan: _Plan, store: bool) -> None:
         # Every byte moves once: either gather each run of consecutive destination rows
-        # (``np.take(src, idx, out=dst[run])``), or scatter each run of consecutive
-        # source rows (``dst[idx] = src[run]``), whichever needs fewer calls.  Rows are
-        # viewed with the widest integer type that tiles them.  NumPy's fancy-index copy
-        # moves each row as one contiguous block; torch's CPU ``index_copy_`` ran at ~0.7x
-        # of a plain copy here, NumPy's at ~1x.
-        # The plan's runs are over host rows: a store's gather runs, a load's scatter
-        # runs.  The other side is only counted (C loops), and listed if it is chosen.
+        # (``index_select(src, 0, idx, out=dst[run])``), or scatter each run of
+        # consecutive source rows (``dst.index_copy_(0, idx, src[run])``), whichever
+        # needs fewer calls (both cost about the same per row).  The plan's runs are over
+        # host rows: a store's gather runs, a load's scatter runs.  The other side is
+        # only counted (C loops), and listed if it is chosen.
         steps = np.diff(np.sort(plan.blocks))
         other_runs = int(np.count_nonzero(steps != 1)) + 1 if plan.num_blocks else 0
-        # Scatter only from distinct source rows (run views must not overlap).  Measured
-        # on CPU (4 layers x 512 random 64 KiB blocks): a store's gather and a load's
-        # scatter reach ~1.0x of one contiguous copy, a load's gather only ~0.8x, so a
-        # load scatters unless that takes over 4x the calls.
         if store:
-            repeated = bool(np.any(steps == 0))
-            gather = repeated or len(plan.host_runs) <= other_runs
+            # A repeated device block can only be gathered (scattered run views of the
+            # source would overlap).
+            gather = bool(np.any(steps == 0)) or len(plan.host_runs) <= other_runs
         else:
             # (host rows of one transfer are distinct: chunk ids are checked distinct)
-            gather = other_runs * 4 < len(plan.host_runs)
+            gather = other_runs < len(plan.host_runs)
         if gather == store:
             runs, idx = plan.host_runs, plan.device_idx
         else:
             runs, idx = _runs(plan.blocks, plan.rows, unique=False)  # over device blocks
-        idx_np = idx.numpy()
-        nbytes = plan.num_blocks * self.buffers.bytes_per_block
-        threads = max(1, min(self.copy_threads, nbytes // _MIN_BYTES_PER_THREAD))
-        # Pieces of at most ``step`` rows per (tensor, run); their destinations are
-        # distinct, so they may run on several threads at once (NumPy releases the GIL
-        # while it copies).
-        step = -(-plan.num_blocks // threads) if threads > 1 else plan.num_blocks
-        pieces: list[_Piece] = []
+        sub_idx: dict[int, torch.Tensor] = {1: idx}
         for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
-            dev_np, host_np = dev.detach().numpy(), host.numpy()
-            src, dst = (dev_np, host_np) if store else (host_np, dev_np)
+            k = _sub_rows(int(dev.shape[1]), dev.element_size())
+            if k > 1:
+                # Row r becomes sub-rows r*k .. r*k+k-1; so does every index.
+                dev = dev.view(dev.shape[0] * k, -1)
+                host = host.view(host.shape[0] * k, -1)
+                if k not in sub_idx:
+                    sub_idx[k] = (idx.view(-1, 1) * k + torch.arange(k)).view(-1)
+            sel = sub_idx[k]
+            src, dst = (dev, host) if store else (host, dev)
             for first, start, length in runs:
-                for off in range(0, length, step):
-                    n = min(step, length - off)
-                    pieces.append(
-                        (
-                            src,
-                            dst,
-                            first + off,
-                            first + off + n,
-                            idx_np[start + off : start + off + n],
-                        )
-                    )
-        if threads == 1:
-            _copy_pieces(pieces, gather)
-            return
-        # ``threads`` shares of about equal rows, in order.
-        total = plan.num_blocks * len(self.buffers.device_words)
-        shares: list[list[_Piece]] = [[] for _ in range(threads)]
-        done = 0
-        for piece in pieces:
-            shares[min(threads - 1, done * threads // total)].append(piece)
-            done += piece[3] - piece[2]
-        pool = self._pool
-        if pool is None or self._pool_size < threads - 1:
-            if pool is not None:
-                pool.shutdown(wait=False)
-            pool = self._pool = ThreadPoolExecutor(
-                threads - 1, thread_name_prefix="kvevents-offload-copy"
-            )
-            self._pool_size = threads - 1
-        futures = [pool.submit(_copy_pieces, share, gather) for share in shares[1:]]
-        _copy_pieces(shares[0], gather)
-        for future in futures:
-            future.result()
+                rows = slice(first * k, (first + length) * k)
+                part = sel[start * k : (start + length) * k]
+                if gather:
+                    torch.index_select(src, 0, part, out=dst[rows])
+                else:
+                    dst.index_copy_(0, part, src[rows])
 
     def _copy_cuda(self, plan: _Plan, store: bool, job: _Job) -> None:
         stream = self._stream("store" if store else "load")
@@ -489,11 +460,8 @@ class CPUTransferWorker:
                 job.end_event.synchronize()
 
     def close(self) -> None:
-        """Stop the copy threads of CPU transfers (a later transfer starts them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-            self._pool_size = 0
+        """Release the worker: nothing is held between CPU transfers, and CUDA copies end
+        with their streams; kept so callers can close every worker alike."""
 
     @property
     def num_pending(self) -> int:

@@ -165,8 +165,27 @@ def test_both_copy_strategies_are_exact(
     assert [r.success for r in worker.get_finished()] == [True, True]
     for dev, orig in zip(layers, originals):
         assert same_bytes(dev[dst], orig[src])
-    assert worker.buffers.device_words[0].dtype == torch.int64  # 384-byte pages
+    assert worker.buffers.device_words[0].dtype == torch.complex128  # 384-byte pages
     assert worker.buffers.device_words[1].dtype == torch.int16  # 70-byte pages
+
+
+def test_every_bit_pattern_survives_the_wide_copies() -> None:
+    # NaN payloads (signalling and quiet), infinities, negative zero and all-ones in every
+    # 8-byte lane, for pages copied as 16-byte (complex128) and 8-byte elements.
+    nans = [0x7FF0000000000001, 0x7FF8000000000001, -0x000FFFFFFFFFFFFF, 0x7FF4000000000000]
+    patterns = torch.tensor([*nans, 1, -(2**63), -1, 0x7FF0000000000000], dtype=torch.int64)
+    for lanes, wide in ((64, torch.complex128), (3, torch.int64)):
+        blocks = patterns.repeat(8 * lanes).view(8 * 8, lanes)[:8].contiguous()
+        layers = [torch.cat([blocks, blocks.flip(0)]).clone()]
+        originals = [t.clone() for t in layers]
+        worker = CPUTransferWorker(layers, num_chunks=8, blocks_per_chunk=1)
+        assert worker.buffers.device_words[0].dtype == wide
+        src = [13, 2, 7, 0, 9]
+        worker.submit_store(0, src, CPULoadStoreSpec([6, 1, 4, 3, 0]))
+        dst = [1, 15, 4, 11, 8]
+        worker.submit_load(1, CPULoadStoreSpec([6, 1, 4, 3, 0]), dst)
+        assert [r.success for r in worker.get_finished()] == [True, True]
+        assert torch.equal(layers[0][dst], originals[0][src])
 
 
 def test_same_device_block_stored_into_two_chunks() -> None:
@@ -211,15 +230,16 @@ def test_load_gathers_when_scattering_needs_many_more_calls() -> None:
         assert same_bytes(dev[dst], orig[src])
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("page_floats", [16384, 65536, 3 * 16384])
 @pytest.mark.parametrize("layers_n", [1, 2])
-def test_large_transfers_on_several_threads_are_exact(threads: int, layers_n: int) -> None:
-    # 64 KiB pages, 160 blocks a transfer: 10-20 MiB, so the copy is split over threads
-    # (one tensor and one run of consecutive chunks included: the run itself is split).
-    gen = torch.Generator().manual_seed(threads * 10 + layers_n)
-    layers = [torch.randn((320, 16384), generator=gen) for _ in range(layers_n)]
+def test_large_transfers_are_exact(page_floats: int, layers_n: int) -> None:
+    # 64, 256 and 192 KiB pages, 160 blocks a transfer: the wide pages are copied as
+    # sub-rows (256 KiB as four of 64 KiB, 192 KiB as two of 96 KiB).  Scattered and
+    # consecutive chunks; one tensor and several.
+    gen = torch.Generator().manual_seed(page_floats + layers_n)
+    layers = [torch.randn((320, page_floats), generator=gen) for _ in range(layers_n)]
     originals = [t.clone() for t in layers]
-    worker = CPUTransferWorker(layers, num_chunks=100, blocks_per_chunk=2, copy_threads=threads)
+    worker = CPUTransferWorker(layers, num_chunks=100, blocks_per_chunk=2)
     src = torch.randperm(320, generator=gen)[:160].tolist()
     dst = [b for b in range(320) if b not in set(src)][:160]
     for chunk_ids in (torch.randperm(100, generator=gen)[:80].tolist(), list(range(10, 90))):
@@ -230,11 +250,29 @@ def test_large_transfers_on_several_threads_are_exact(threads: int, layers_n: in
             assert same_bytes(dev[dst], orig[src])
             assert same_bytes(dev[src], orig[src])  # the sources were not written
             dev[dst] = 0
-    assert worker._pool is not None  # the copies did run on the pool
     worker.close()
-    assert worker._pool is None
-    with pytest.raises(OffloadError, match="copy_threads"):
-        CPUTransferWorker(layers, num_chunks=2, copy_threads=0)
+
+
+def test_wide_pages_stored_twice_from_one_block_are_exact() -> None:
+    # A repeated source block with 256 KiB pages: the store gathers sub-rows.
+    layers = [torch.randn(6, 65536)]
+    worker = CPUTransferWorker(layers, num_chunks=4, blocks_per_chunk=1)
+    worker.submit_store(0, [3, 1, 3], CPULoadStoreSpec([2, 0, 1]))
+    assert [r.success for r in worker.get_finished()] == [True]
+    rows = layers[0].view(torch.int8)
+    host = worker.buffers.host_rows[0]
+    for chunk, block in zip([2, 0, 1], [3, 1, 3]):
+        assert torch.equal(host[chunk], rows[block])
+    assert not host[3].any()
+
+
+def test_copy_threads_is_deprecated_and_ignored() -> None:
+    layers = [torch.randn(4, 8)]
+    with pytest.warns(DeprecationWarning, match="copy_threads"):
+        worker = CPUTransferWorker(layers, num_chunks=2, copy_threads=3)
+    worker.submit_store(0, [2, 0], CPULoadStoreSpec([1, 0]))
+    assert [r.success for r in worker.get_finished()] == [True]
+    assert torch.equal(worker.buffers.host_rows[0][0], layers[0].view(torch.int8)[0])
 
 
 def test_partial_first_chunk_skip() -> None:
