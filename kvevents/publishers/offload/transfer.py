@@ -312,9 +312,10 @@ class CPUTransferWorker:
         # Every byte moves once: either gather each run of consecutive destination rows
         # (``index_select(src, 0, idx, out=dst[run])``), or scatter each run of
         # consecutive source rows (``dst.index_copy_(0, idx, src[run])``), whichever
-        # needs fewer calls (both cost about the same per row).  The plan's runs are over
-        # host rows: a store's gather runs, a load's scatter runs.  The other side is
-        # only counted (C loops), and listed if it is chosen.
+        # needs fewer calls; a gather on a tie (``index_select`` copies whole rows,
+        # ``index_copy_`` element by element).  The plan's runs are over host rows: a
+        # store's gather runs, a load's scatter runs.  The other side is only counted
+        # (C loops), and listed if it is chosen.
         steps = np.diff(np.sort(plan.blocks))
         other_runs = int(np.count_nonzero(steps != 1)) + 1 if plan.num_blocks else 0
         if store:
@@ -323,7 +324,7 @@ class CPUTransferWorker:
             gather = bool(np.any(steps == 0)) or len(plan.host_runs) <= other_runs
         else:
             # (host rows of one transfer are distinct: chunk ids are checked distinct)
-            gather = other_runs < len(plan.host_runs)
+            gather = other_runs <= len(plan.host_runs)
         if gather == store:
             runs, idx = plan.host_runs, plan.device_idx
         else:
