@@ -266,6 +266,38 @@ def test_wide_pages_stored_twice_from_one_block_are_exact() -> None:
     assert not host[3].any()
 
 
+def test_scattered_on_both_sides_goes_through_the_reused_staging_buffer_exactly() -> None:
+    # Device blocks and host chunks both scattered (several runs on each side): each
+    # tensor's share is copied through a staging buffer kept between transfers.  Pages
+    # of 384 bytes (complex128 words), 70 bytes (int16) and 256 KiB (split into sub-rows);
+    # transfers of growing, then shrinking size; one store repeats a device block.
+    gen = torch.Generator().manual_seed(7)
+    layers = [
+        torch.randn((40, 3, 64), generator=gen).to(torch.bfloat16),
+        torch.randn((40, 5, 7), generator=gen).to(torch.float16),
+        torch.randn((40, 65536), generator=gen),
+    ]
+    originals = [t.clone() for t in layers]
+    worker = CPUTransferWorker(layers, num_chunks=20, blocks_per_chunk=2)
+    for n, seed in ((4, 1), (12, 2), (6, 3)):
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randperm(20, generator=g)[:n].tolist()  # blocks 0..19 hold data
+        chunks = CPULoadStoreSpec(torch.randperm(20, generator=g)[: n // 2].tolist())
+        dst = (20 + torch.randperm(20, generator=g)[:n]).tolist()  # blocks 20..39
+        worker.submit_store(0, src, chunks)
+        worker.submit_load(1, chunks, dst)
+        assert [r.success for r in worker.get_finished()] == [True, True]
+        for dev, orig in zip(layers, originals):
+            assert same_bytes(dev[dst], orig[src])
+            assert same_bytes(dev[:20], orig[:20])  # the sources were not written
+    assert set(worker._stage) == {torch.complex128, torch.int16}  # the path was taken
+    worker.submit_store(2, [3, 9, 3, 14], CPULoadStoreSpec([7, 2]))
+    assert [r.success for r in worker.get_finished()] == [True]
+    for dev, host in zip(worker.buffers.device_rows, worker.buffers.host_rows):
+        for row, block in zip([14, 15, 4, 5], [3, 9, 3, 14]):
+            assert torch.equal(host[row], dev[block])
+
+
 def test_copy_threads_is_deprecated_and_ignored() -> None:
     layers = [torch.randn(4, 8)]
     with pytest.warns(DeprecationWarning, match="copy_threads"):
