@@ -180,6 +180,9 @@ _SUB_ROW_BYTES = 64 << 10
 # 64 KiB pages, 32 tensors and 16-64 scattered blocks, 0.6-0.8x of a contiguous copy
 # against 0.3-0.55x (docs/benchmarks.md).
 _STAGED_BYTES = 8 << 20
+# A CPU transfer of at most this many bytes (all tensors) is copied with one NumPy
+# fancy-index assignment per tensor on the calling thread: fixed costs dominate there.
+_SMALL_TRANSFER_BYTES = 256 << 10
 
 
 def _sub_rows(width: int, itemsize: int) -> int:
@@ -327,6 +330,16 @@ class CPUTransferWorker:
         # side, which is already listed.  When both sides are split into several runs
         # and a tensor's share is small, two calls through a reused staging buffer cost
         # less than a call per run (see :data:`_STAGED_BYTES`).
+        if plan.num_blocks * self.buffers.bytes_per_block <= _SMALL_TRANSFER_BYTES:
+            # Small: one NumPy fancy-index copy per tensor (about 2 us; a torch call
+            # costs more than the bytes it moves here).
+            for dev, host in zip(self.buffers.device_words, self.buffers.host_words):
+                dev_np, host_np = dev.detach().numpy(), host.numpy()
+                if store:
+                    host_np[plan.rows] = dev_np[plan.blocks]
+                else:
+                    dev_np[plan.blocks] = host_np[plan.rows]
+            return
         steps = np.diff(np.sort(plan.blocks))
         other_runs = int(np.count_nonzero(steps != 1)) + 1 if plan.num_blocks else 0
         if store:

@@ -18,6 +18,7 @@ from kvevents.publishers.offload import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
+from kvevents.publishers.offload import transfer as transfer_module  # noqa: E402
 from kvevents.publishers.offload.transfer import (  # noqa: E402
     CPUTransferWorker,
     HostChunkBuffers,
@@ -34,6 +35,15 @@ DEVICES = [
         ],
     ),
 ]
+
+
+@pytest.fixture(autouse=True, params=["small-transfer path on", "small-transfer path off"])
+def _small_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs twice: as is (transfers of up to 256 KiB take the one-call NumPy
+    path) and with that path off, so the small tensors here also exercise the torch
+    gather, scatter and staged copies."""
+    if request.param.endswith("off"):
+        monkeypatch.setattr(transfer_module, "_SMALL_TRANSFER_BYTES", 0)
 
 
 def kv_layers(device: str, num_blocks: int = 16, layers: int = 3, seed: int = 0) -> list:
