@@ -36,6 +36,7 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -195,32 +196,53 @@ def _sub_rows(width: int, itemsize: int) -> int:
     return k
 
 
-def _runs(
-    dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], *, unique: bool = True
-) -> tuple[Runs, torch.Tensor]:
+def _runs(dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> tuple[Runs, torch.Tensor]:
     """Sort by ``dst``; split into runs of consecutive ``dst`` values.
 
-    Returns the runs and the ``src`` values in that order (an int64 tensor).  With
-    ``unique``, a repeated ``dst`` value raises :class:`OffloadError`.
+    Returns the runs and the ``src`` values in that order (an int64 tensor).
     """
     order = np.argsort(dst, kind="stable")
     dst = dst[order]
-    if unique and dst.size > 1 and np.any(np.diff(dst) == 0):
-        raise OffloadError("a destination block or chunk is named twice in one transfer")
-    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
-    starts = np.concatenate(([0], breaks)).astype(np.int64)
-    ends = np.concatenate((breaks, [dst.size])).astype(np.int64)
-    runs = [(int(dst[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
+    bounds = [0, *(np.flatnonzero(np.diff(dst) != 1) + 1).tolist(), int(dst.size)]
+    firsts = dst.tolist()
+    runs = [(firsts[a], a, b - a) for a, b in pairwise(bounds) if b > a]
     return runs, torch.from_numpy(np.ascontiguousarray(src[order]))
 
 
 @dataclass
 class _Plan:
+    """A validated transfer: device blocks and host rows, aligned.  What only some copy
+    paths need is worked out on first use."""
+
     blocks: npt.NDArray[np.int64]  # device block ids, transfer order
     rows: npt.NDArray[np.int64]  # host rows, aligned with ``blocks``
-    host_runs: Runs  # runs of consecutive host rows …
-    device_idx: torch.Tensor  # … and the device blocks in that order
     num_blocks: int
+    _host_side: tuple[Runs, torch.Tensor] | None = None
+    _block_steps: npt.NDArray[np.int64] | None = None
+
+    @property
+    def host_runs(self) -> Runs:
+        """Runs of consecutive host rows (see :func:`_runs`)."""
+        return self._host()[0]
+
+    @property
+    def device_idx(self) -> torch.Tensor:
+        """The device blocks in the order of :attr:`host_runs`."""
+        return self._host()[1]
+
+    def _host(self) -> tuple[Runs, torch.Tensor]:
+        if self._host_side is None:
+            self._host_side = _runs(self.rows, self.blocks)
+        return self._host_side
+
+    @property
+    def block_steps(self) -> npt.NDArray[np.int64]:
+        """Differences between neighbours of the sorted device block ids (0: a block
+        named twice; 1: consecutive blocks)."""
+        steps = self._block_steps
+        if steps is None:
+            steps = self._block_steps = np.diff(np.sort(self.blocks)).astype(np.int64, copy=False)
+        return steps
 
 
 @dataclass
@@ -306,10 +328,11 @@ class CPUTransferWorker:
             raise OffloadError(f"device block ids must be in [0, {b.num_device_blocks})")
         if chunk_ids.size and (chunk_ids.min() < 0 or chunk_ids.max() >= b.num_chunks):
             raise OffloadError(f"chunk ids must be in [0, {b.num_chunks})")
+        if chunk_ids.size > 1 and len(set(chunk_ids.tolist())) != chunk_ids.size:
+            raise OffloadError("a destination block or chunk is named twice in one transfer")
         slots = np.arange(skip, skip + n, dtype=np.int64)
         rows = chunk_ids[slots // bpc] * bpc + slots % bpc
-        runs, idx = _runs(rows, blocks)
-        return _Plan(blocks=blocks, rows=rows, host_runs=runs, device_idx=idx, num_blocks=n)
+        return _Plan(blocks=blocks, rows=rows, num_blocks=n)
 
     # --- copies --------------------------------------------------------------------------
 
@@ -340,7 +363,7 @@ class CPUTransferWorker:
                 else:
                     dev_np[plan.blocks] = host_np[plan.rows]
             return
-        steps = np.diff(np.sort(plan.blocks))
+        steps = plan.block_steps
         other_runs = int(np.count_nonzero(steps != 1)) + 1 if plan.num_blocks else 0
         if store:
             # A repeated device block can only be gathered (scattered run views of the
@@ -386,7 +409,7 @@ class CPUTransferWorker:
                 per_run = (
                     (plan.host_runs, plan.device_idx)
                     if gather == store
-                    else _runs(plan.blocks, plan.rows, unique=False)  # over device blocks
+                    else _runs(plan.blocks, plan.rows)  # over device blocks
                 )
             sel = index("run", k)
             for first, start, length in per_run[0]:
@@ -446,7 +469,7 @@ class CPUTransferWorker:
         store: bool,
     ) -> None:
         plan = self._plan(device_spec, chunks)
-        if not store and np.unique(plan.blocks).size != plan.num_blocks:
+        if not store and bool(np.any(plan.block_steps == 0)):
             raise OffloadError("a destination block or chunk is named twice in one transfer")
         nbytes = plan.num_blocks * self.buffers.bytes_per_block
         job = _Job(job_id=job_id, nbytes=nbytes, start_wall=time.perf_counter())
