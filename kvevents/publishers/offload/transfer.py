@@ -18,7 +18,9 @@ Python loop per block.  Both run on torch's intra-op threads (``torch.set_num_th
 the threads torch's own CPU copy uses, so a transfer neither waits for nor competes with
 threads of its own.  Rows are viewed with the widest element type that tiles a page, and
 pages of 128 KiB or more are copied as sub-rows of 64 KiB or more (the copy kernels
-split their work by rows).  On CUDA the blocks are gathered on the device, and each run is one
+split their work by rows).  Two cases take other paths: a transfer of at most 256 KiB
+is one NumPy fancy-index copy per tensor, and a tensor's share of up to 8 MiB with
+several runs on both sides goes through a reused staging buffer in two calls.  On CUDA the blocks are gathered on the device, and each run is one
 asynchronous copy on a side stream that waits for the compute stream; transfers stay in
 submission order and report their device time.
 
@@ -177,9 +179,8 @@ _SUB_ROW_BYTES = 64 << 10
 
 # A CPU transfer whose rows are split into several runs on both sides copies a tensor's
 # share of up to this many bytes in two calls, through a staging buffer that stays in
-# the caches (an index_select, then an index_copy_), instead of one call per run: with
-# 64 KiB pages, 32 tensors and 16-64 scattered blocks, 0.6-0.8x of a contiguous copy
-# against 0.3-0.55x (docs/benchmarks.md).
+# the caches (an index_select, then an index_copy_), instead of one torch call (3-4 us)
+# per run; figures in docs/benchmarks.md ("Copies on torch's own threads").
 _STAGED_BYTES = 8 << 20
 # A CPU transfer of at most this many bytes (all tensors) is copied with one NumPy
 # fancy-index assignment per tensor on the calling thread: fixed costs dominate there.
