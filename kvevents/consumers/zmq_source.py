@@ -53,13 +53,18 @@ MONITORED_EVENTS = (
 )
 """The socket-monitor events a live SUB is watched for (connected, dropped, retrying)."""
 _REDIAL_AFTER_S = 0.5
+"""After a drop with no reconnect attempt by libzmq within this long, dial again."""
 # A read of the live socket also stops once this many payload bytes were read: the
 # messages of one read are decoded and held until the application takes them, and
 # holding hundreds of large decoded batches at once costs more (cache misses, garbage
 # collector passes over their lists) than the extra polls (docs/benchmarks.md:
 # 64-event batches were delivered ~2x faster with reads of ~4 of them than of 256).
 _DRAIN_BYTES = 64 << 10
-"""After a drop with no reconnect attempt by libzmq within this long, dial again."""
+# ZMQ_EVENTS and its POLLIN bit, as plain ints: asking a socket whether a message waits
+# (about 1.4 us) is cheaper than a receive that raises zmq.Again (3-4 us; pyzmq builds
+# the exception each time).
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class LiveLink:
@@ -329,13 +334,14 @@ class ZmqSource:
         # builds a SocketOption enum each time): a Frame carries ``more`` already, and
         # ``.bytes`` is the one copy that recv_multipart makes too (about 3.5 against
         # 6 us per 3-frame message, measured in docs/benchmarks.md).
-        recv = self._sub.recv
+        sub = self._sub
+        recv = sub.recv
         append = out.append
         from_bytes = int.from_bytes
         noblock = zmq.NOBLOCK
         again = zmq.Again
         budget = _DRAIN_BYTES
-        for _ in range(limit):
+        for i in range(limit):
             try:
                 frame = recv(noblock, copy=False)
             except again:
@@ -356,6 +362,10 @@ class ZmqSource:
                         BAD_FRAME, recv_ts=now, detail=_describe_live(frames), parts=tuple(frames)
                     )
                 )
+            # A live engine's batches mostly arrive one per read: after the first, ask
+            # whether another waits rather than end the read with a raised zmq.Again.
+            if i == 0 and not int(sub.getsockopt(_EVENTS)) & _POLLIN:
+                break
         for channel, (dealer, mon, topic) in list(self._dealers.items()):
             for _ in range(limit):
                 try:
@@ -433,15 +443,10 @@ class ZmqSource:
         return f"ZmqSource({self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
 
 
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
-
 def drain_monitor_events(mon: zmq.Socket[bytes]) -> list[int]:
     """Drain a monitor socket without blocking: the event numbers."""
     out: list[int] = []
-    # Usually there is nothing: asking costs about 1.4 us, a receive that raises
-    # ``zmq.Again`` about 4 us (once per read of the source).
+    # Usually there is nothing (asked once per read of the source).
     if not int(mon.getsockopt(_EVENTS)) & _POLLIN:
         return out
     while True:
