@@ -40,6 +40,12 @@ class Liveness:
         self.outbox = outbox
         self.stale_after_s = stale_after_s
         self.probe = probe
+        # No stream is due for a probe or a stale report before this (monotonic
+        # seconds): the earliest due time the last scan found.  Between scans a
+        # stream's due times only move later (``heard`` only grows), and a new stream
+        # is first due a third of ``stale_after_s`` after it starts, never before the
+        # next scan; so a wake-up before it skips the scan, which costs O(streams).
+        self._scan_at = float("-inf")
 
     def heard(self, st: Stream, now: float, *, live: bool = False) -> None:
         """``st`` was heard from at ``now`` (``live``: a live batch); a stale stream is
@@ -69,30 +75,27 @@ class Liveness:
 
     def next_check_s(self, now: float) -> float | None:
         """Seconds until the next probe or stale check is due (may be negative: overdue),
-        None when nothing is watched."""
-        stale = self.stale_after_s
-        if stale is None:
+        None when ``stale_after_s`` is None.  With no stream watched it is the next
+        scan, a third of ``stale_after_s`` after the last one."""
+        if self.stale_after_s is None:
             return None
-        waits: list[float] = []
-        for st in self.streams.values():
-            if st.channel is not None:
-                waits.append(max(st.heard, st.probe_at) + stale / 3 - now)
-                if not st.stale:
-                    waits.append(st.heard + stale - now)
-        return min(waits) if waits else None
+        return self._scan_at - now
 
     def check(self, now: float) -> None:
         """Probe the streams silent for a third of ``stale_after_s`` and report the ones
-        silent for all of it."""
+        silent for all of it.  A call before the earliest due time the last call found
+        returns at once."""
         stale_after = self.stale_after_s
-        if stale_after is None:
+        if stale_after is None or now < self._scan_at:
             return
+        third = stale_after / 3
         outbox = self.outbox
+        scan_at = now + third
         for key, st in self.streams.items():
             if st.channel is None:
                 continue  # silence alone proves nothing
             idle = now - st.heard
-            if now - max(st.heard, st.probe_at) >= stale_after / 3:
+            if now - max(st.heard, st.probe_at) >= third:
                 st.probe_at = now
                 req = st.tracker.probe()
                 if req is not None:
@@ -104,3 +107,9 @@ class Liveness:
                 detail = f"no batch and no replay answer for {idle:.1f} s"
                 outbox.log.warning(f"stale:{key[0]}", "%s rank %d: stale (%s)", *key, detail)
                 outbox.emit(Anomaly(STALE, key[0], key[1], detail=detail))
+            due = max(st.heard, st.probe_at) + third
+            if not st.stale:
+                due = min(due, st.heard + stale_after)
+            if due < scan_at:
+                scan_at = due
+        self._scan_at = scan_at
