@@ -60,11 +60,15 @@ _REDIAL_AFTER_S = 0.5
 # collector passes over their lists) than the extra polls (docs/benchmarks.md:
 # 64-event batches were delivered ~2x faster with reads of ~4 of them than of 256).
 _DRAIN_BYTES = 64 << 10
-# ZMQ_EVENTS and its POLLIN bit, as plain ints: asking a socket whether a message waits
-# (about 1.4 us) is cheaper than a receive that raises zmq.Again (3-4 us; pyzmq builds
-# the exception each time).
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+
+
+def _waiting(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on ``sock``: asking ``ZMQ_EVENTS`` (about 1.4 us) is
+    cheaper than a receive that raises ``zmq.Again`` (3-4 us; pyzmq builds the exception
+    each time), so a read that usually finds nothing asks first."""
+    return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class LiveLink:
@@ -364,10 +368,11 @@ class ZmqSource:
                 )
             # A live engine's batches mostly arrive one per read: after the first, ask
             # whether another waits rather than end the read with a raised zmq.Again.
-            if i == 0 and not int(sub.getsockopt(_EVENTS)) & _POLLIN:
+            if i == 0 and not _waiting(sub):
                 break
         for channel, (dealer, mon, topic) in list(self._dealers.items()):
-            for _ in range(limit):
+            # (a replay channel is idle between replays: ask before reading)
+            for _ in range(limit if _waiting(dealer) else 0):
                 try:
                     frames = dealer.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -446,8 +451,7 @@ class ZmqSource:
 def drain_monitor_events(mon: zmq.Socket[bytes]) -> list[int]:
     """Drain a monitor socket without blocking: the event numbers."""
     out: list[int] = []
-    # Usually there is nothing (asked once per read of the source).
-    if not int(mon.getsockopt(_EVENTS)) & _POLLIN:
+    if not _waiting(mon):  # (usually nothing: asked once per read of the source)
         return out
     while True:
         try:
