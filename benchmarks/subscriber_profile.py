@@ -9,8 +9,10 @@ a bare ``recv_multipart`` loop over the same traffic instead; ``--profile`` prin
 ``cProfile`` of one run.  ``--paced RATE`` has a publisher in another process send the
 batches at RATE per second instead, as a live engine does: most reads then find one
 batch, so the per-read work (the wait, connection checks, the read that finds nothing
-more) counts as it does in a live deployment.  To compare two checkouts, run this script under each one's
-``PYTHONPATH`` alternately.
+more) counts as it does in a live deployment.  ``--engines N`` (with ``--paced``) spreads
+that traffic round robin over N publishers, one endpoint each, which the subscriber
+follows as N sources: a fleet, where a wait must not cost more with each engine.  To
+compare two checkouts, run this script under each one's ``PYTHONPATH`` alternately.
 
 Prints a table and a last JSON line (the subscriber against the bare loop, measured in
 the same run); ``--raw`` alone prints one JSON line ``{"us_per_batch": ..., "runs": [...]}``.
@@ -23,6 +25,7 @@ import cProfile
 import json
 import multiprocessing
 import pstats
+import selectors
 import sys
 import time
 from collections.abc import Callable
@@ -53,39 +56,46 @@ def _send(pub: zmq.Socket[bytes], n: int) -> None:
         pub.send_multipart(pack_live(TOPIC, seq, data[seq % len(data)]))
 
 
-def _paced_sender(n: int, rate: float, endpoint: Any, done: Any) -> None:
-    """A publisher process: bind, report the endpoint, then send ``n`` batches at ``rate``
-    per second once subscribed; stay up until ``done``."""
+def _paced_sender(n: int, rate: float, endpoint: Any, done: Any, engines: int = 1) -> None:
+    """A publisher process: bind ``engines`` publishers, report their endpoints, then send
+    ``n`` batches in all at ``rate`` per second, round robin over the engines, once each
+    is subscribed; stay up until ``done``."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub, ep = _pub(ctx)
-    endpoint.put(ep)
-    pub.recv()  # the subscription
+    ctx.set(zmq.MAX_SOCKETS, 2 * engines + 64)
+    pubs = [_pub(ctx) for _ in range(engines)]
+    endpoint.put([ep for _, ep in pubs])
+    for pub, _ in pubs:
+        pub.recv()  # the subscription
     data = payloads()
     t0 = time.perf_counter()
     for seq in range(n):
         while time.perf_counter() - t0 < seq / rate:
             pass
-        pub.send_multipart(pack_live(TOPIC, seq, data[seq % len(data)]))
+        pub = pubs[seq % engines][0]
+        pub.send_multipart(pack_live(TOPIC, seq // engines, data[seq % len(data)]))
     done.wait(60)
-    pub.close(0)
+    for pub, _ in pubs:
+        pub.close(0)
     ctx.term()
 
 
 class _Feed:
     """The traffic of one run: pre-sent in this process (``rate`` None) or paced from
-    another process."""
+    another process, by ``engines`` publishers (paced only)."""
 
-    def __init__(self, n: int, rate: float | None) -> None:
+    def __init__(self, n: int, rate: float | None, engines: int = 1) -> None:
         self.n, self.rate = n, rate
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 2 * engines + 64)
         if rate is None:
-            self.pub, self.endpoint = _pub(self.ctx)
+            self.pub, endpoint = _pub(self.ctx)
+            self.endpoints = [endpoint]
         else:
             mp = multiprocessing.get_context("spawn")
             q, self.done = mp.Queue(), mp.Event()
-            self.proc = mp.Process(target=_paced_sender, args=(n, rate, q, self.done))
+            self.proc = mp.Process(target=_paced_sender, args=(n, rate, q, self.done, engines))
             self.proc.start()
-            self.endpoint = q.get(timeout=60)
+            self.endpoints = q.get(timeout=120)
 
     def start(self) -> None:
         """Called once subscribed: pre-sends everything, or lets the pacing run."""
@@ -103,10 +113,11 @@ class _Feed:
 
 
 def run_subscriber(
-    n: int, prof: cProfile.Profile | None = None, rate: float | None = None
+    n: int, prof: cProfile.Profile | None = None, rate: float | None = None, engines: int = 1
 ) -> float:
-    feed = _Feed(n, rate)
-    sub = Subscriber(feed.endpoint, rcvhwm=0, catch_up=False, stale_after_s=None)
+    feed = _Feed(n, rate, engines)
+    endpoints = feed.endpoints[0] if engines == 1 else feed.endpoints
+    sub = Subscriber(endpoints, rcvhwm=0, catch_up=False, stale_after_s=None)
     feed.start()
     got = 0
     if prof is not None:
@@ -127,32 +138,60 @@ def run_subscriber(
 
 
 def run_raw(
-    n: int, decode: Callable[[bytes], object] | None = None, rate: float | None = None
+    n: int,
+    decode: Callable[[bytes], object] | None = None,
+    rate: float | None = None,
+    engines: int = 1,
 ) -> float:
     """CPU us per batch of a bare ``recv_multipart`` loop over the traffic; with
-    ``decode``, each payload is also passed to it."""
-    feed = _Feed(n, rate)
-    s = feed.ctx.socket(zmq.SUB)
-    s.setsockopt(zmq.RCVHWM, 0)
-    s.setsockopt(zmq.SUBSCRIBE, b"")
-    s.connect(feed.endpoint)
-    poller = zmq.Poller()
-    poller.register(s, zmq.POLLIN)
+    ``decode``, each payload is also passed to it.  One engine: a :class:`zmq.Poller`
+    on its SUB.  Several: a selector (epoll) on every SUB's ``ZMQ_FD``, each signalled
+    socket read until ``zmq.Again`` - the cheapest bare loop over many sockets (a
+    ``zmq.Poller`` asks every socket on every wait)."""
+    feed = _Feed(n, rate, engines)
+    socks = []
+    for ep in feed.endpoints:
+        s = feed.ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(ep)
+        socks.append(s)
     feed.start()
     got = 0
     t0 = time.thread_time()
-    while got < n:
-        for sock, _ in poller.poll(5000):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if decode is not None:
-                    decode(frames[2])
-                got += 1
+    if engines == 1:
+        poller = zmq.Poller()
+        poller.register(socks[0], zmq.POLLIN)
+        while got < n:
+            for sock, _ in poller.poll(5000):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if decode is not None:
+                        decode(frames[2])
+                    got += 1
+    else:
+        sel = selectors.DefaultSelector()
+        for s in socks:
+            sel.register(s.getsockopt(zmq.FD), selectors.EVENT_READ, s)
+        ready = list(socks)  # (a descriptor signals only changes: read each once first)
+        while got < n:
+            for sock in ready:
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if decode is not None:
+                        decode(frames[2])
+                    got += 1
+            ready = [key.data for key, _ in sel.select(5)]
+        sel.close()
     cpu = time.thread_time() - t0
-    s.close(0)
+    for s in socks:
+        s.close(0)
     feed.close()
     return cpu / n * 1e6
 
@@ -170,15 +209,24 @@ def main() -> None:
         metavar="RATE",
         help="batches per second from a publisher process (default: pre-sent in-process)",
     )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --paced: N publishers (endpoints), sent to round robin",
+    )
     a = p.parse_args()
     batches, repeat = (3_000, 1) if a.quick else (a.batches, a.repeat)
+    if a.engines > 1 and a.paced is None:
+        p.error("--engines needs --paced")
     if a.profile:
         prof = cProfile.Profile()
-        run_subscriber(batches, prof, a.paced)
+        run_subscriber(batches, prof, a.paced, a.engines)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
     if a.raw:
-        runs = [run_raw(batches, rate=a.paced) for _ in range(repeat)]
+        runs = [run_raw(batches, rate=a.paced, engines=a.engines) for _ in range(repeat)]
         print(
             json.dumps({"us_per_batch": round(min(runs), 3), "runs": [round(r, 3) for r in runs]})
         )
@@ -187,10 +235,12 @@ def main() -> None:
     sub_runs: list[float] = []
     raw_runs: list[float] = []
     for _ in range(repeat):
-        sub_runs.append(run_subscriber(batches, rate=a.paced))
-        raw_runs.append(run_raw(batches, rate=a.paced))
+        sub_runs.append(run_subscriber(batches, rate=a.paced, engines=a.engines))
+        raw_runs.append(run_raw(batches, rate=a.paced, engines=a.engines))
     sub_us, raw_us = min(sub_runs), min(raw_runs)
     paced = "" if a.paced is None else f", paced at {a.paced:,.0f}/s"
+    if a.engines > 1:
+        paced += f" from {a.engines:,} engines"
     report(
         "subscriber_profile",
         [

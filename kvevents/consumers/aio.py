@@ -1,8 +1,8 @@
 """The asyncio twin of :class:`~kvevents.consumers.subscriber.Subscriber`.
 
 :class:`AsyncSubscriber` runs the very same engine (decoding, seq tracking, replay
-scheduling) and waits for its sockets with :class:`zmq.asyncio.Poller`, so it never
-blocks the event loop::
+scheduling) and waits for input through the event loop (a reader on the descriptor of
+the core's selector), so it never blocks the event loop::
 
     async with AsyncSubscriber(["tcp://engine:5557"], replay_endpoints=["tcp://engine:5558"]) as sub:
         async for item in sub:
@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvevents.consumers.source_protocol import Source
 from kvevents.consumers.subscriber import (
     EndpointSpec,
     ReplaySpec,
@@ -37,6 +38,11 @@ from kvevents.consumers.subscriber import (
 from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
 
 __all__ = ["AsyncSubscriber"]
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 class AsyncSubscriber:
@@ -52,6 +58,7 @@ class AsyncSubscriber:
     ) -> None:
         self._core = SubscriberCore(endpoints, topic, replay_endpoints, **options)
         self._pollers = PollerCache(zmq.asyncio.Poller)
+        self._readers = True
 
     @property
     def stats(self) -> SubscriberStats:
@@ -79,18 +86,38 @@ class AsyncSubscriber:
             result: SubscriberItem | None = done.value
             return result
 
-    async def _wait_readable(self, wait_s: float | None) -> list[Any]:
+    async def _wait_readable(self, wait_s: float | None) -> list[Source]:
+        core = self._core
         if wait_s == 0.0:
-            # A file source is ready, or a deadline is due: let other tasks run first.
+            # Input is waiting, or a deadline is due: let other tasks run first.
             await asyncio.sleep(0)
-            return []
-        socks = self._core.wait_sockets()
+            return core.select(0.0)
+        fd = core.wait_fd()
+        if fd is not None and self._readers:
+            loop = asyncio.get_running_loop()
+            woken: asyncio.Future[None] = loop.create_future()
+            try:
+                loop.add_reader(fd, _wake, woken)
+            except NotImplementedError:  # an event loop without readers (Windows' proactor)
+                self._readers = False
+            else:
+                timer = None if wait_s is None else loop.call_later(wait_s, _wake, woken)
+                try:
+                    await woken
+                finally:
+                    loop.remove_reader(fd)
+                    if timer is not None:
+                        timer.cancel()
+                return core.select(0.0)
+        # No selector descriptor to wait on: poll the sockets themselves.
+        socks = core.wait_sockets()
         if not socks:
             if wait_s is not None:
                 await asyncio.sleep(wait_s)
-            return []
+            return core.ready_sources(())
         poller = self._pollers.poller(socks)
-        return [sock for sock, _ in await poller.poll(poll_timeout_ms(wait_s, 1))]
+        readable = await poller.poll(poll_timeout_ms(wait_s, 1))
+        return core.ready_sources(sock for sock, _ in readable)
 
     def __aiter__(self) -> AsyncIterator[SubscriberItem]:
         return self._iterate()

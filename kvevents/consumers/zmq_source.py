@@ -108,7 +108,13 @@ class LiveLink:
         self.bound_endpoint: str | None = None
         """The address the SUB bound (the real port for ``:0``); None when it connects."""
         self._closed = False
-        sock: zmq.Socket[bytes] = context.socket(zmq.SUB)
+        try:
+            sock: zmq.Socket[bytes] = context.socket(zmq.SUB)
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"cannot open a socket for {endpoint!r}: {exc} (the ZMQ context's "
+                "MAX_SOCKETS, or the process's open-file limit: `ulimit -n`)"
+            ) from exc
         self.sock = sock
         """The SUB socket: read it (non-blocking) for the live messages."""
         sock.setsockopt(zmq.LINGER, 0)

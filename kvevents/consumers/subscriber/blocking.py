@@ -1,5 +1,5 @@
-"""The blocking subscriber: :class:`Subscriber` waits for its sockets with
-:class:`zmq.Poller` and runs :meth:`SubscriberCore.receiving`.
+"""The blocking subscriber: :class:`Subscriber` waits for input with
+:meth:`SubscriberCore.select` and runs :meth:`SubscriberCore.receiving`.
 
 One job: the blocking wait.  May import the subscriber's core and options.
 """
@@ -10,12 +10,9 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
-import zmq
-
 from kvevents.consumers.subscriber.core import SubscriberCore
 from kvevents.consumers.subscriber.items import SubscriberItem
 from kvevents.consumers.subscriber.options import EndpointSpec, ReplaySpec
-from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
 
 __all__ = ["Subscriber"]
 
@@ -52,7 +49,13 @@ class Subscriber(SubscriberCore):
     one source per wake-up (a read of a ZMQ source also stops after 64 KiB of
     payloads); ``inband_window`` how many live records of a capture may follow a gap
     before the recorded replay answering it is given up (the gap is then reported
-    lost).  Durations are seconds.  ``replay_timeout``, ``replay_cooldown`` and
+    lost); ``context`` the ZMQ context to open sockets in (default: the process-wide
+    one; a fleet that would take more than half of its 1,023 sockets gets a context of
+    its own, closed with the subscriber).  The soft open-file limit is raised, up to
+    the hard one, when about four descriptors per connection would not fit.  A wait
+    costs the same whatever the number of sources: their sockets are registered once
+    with the platform's selector.  Durations are seconds.  ``replay_timeout``,
+    ``replay_cooldown`` and
     ``max_message_size`` are the deprecated names of the unit-suffixed options (one
     release, with a :class:`DeprecationWarning`).
     """
@@ -64,7 +67,6 @@ class Subscriber(SubscriberCore):
         replay_endpoints: ReplaySpec = None,
         **options: Any,
     ) -> None:
-        self._pollers = PollerCache(zmq.Poller)
         super().__init__(endpoints, topic, replay_endpoints, **options)
 
     def receive(self, timeout: float | None = None) -> SubscriberItem | None:
@@ -78,17 +80,10 @@ class Subscriber(SubscriberCore):
         try:
             wait = next(loop)
             while True:
-                wait = loop.send(self._poll(wait))
+                wait = loop.send(self.select(wait))
         except StopIteration as done:
             result: SubscriberItem | None = done.value
             return result
-
-    def _poll(self, wait_s: float | None) -> list[Any]:
-        socks = self.wait_sockets()
-        if not socks:
-            return []
-        poller = self._pollers.poller(socks)
-        return [sock for sock, _ in poller.poll(poll_timeout_ms(wait_s))]
 
     def __iter__(self) -> Iterator[SubscriberItem]:
         """Yield batches and anomalies until :meth:`close` (or the end of every source)."""
@@ -97,11 +92,6 @@ class Subscriber(SubscriberCore):
             if item is None:
                 return
             yield item
-
-    def close(self) -> None:
-        """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
-        super().close()
-        self._pollers.reset()
 
     def __enter__(self) -> Subscriber:
         return self

@@ -31,6 +31,7 @@ from kvevents.consumers.source_protocol import (
     Source,
     SourceMessage,
 )
+from kvevents.consumers.subscriber.capacity import ensure_open_files, fleet_context
 from kvevents.consumers.subscriber.inband import InbandReplays
 from kvevents.consumers.subscriber.items import (
     BAD_FRAME_KIND,
@@ -46,6 +47,7 @@ from kvevents.consumers.subscriber.options import (
     SubscriberOptions,
     open_sources,
     resolve_deprecated,
+    zmq_links,
 )
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
@@ -71,9 +73,12 @@ class SubscriberCore:
 
     * :meth:`take` - the next item ready, or None;
     * :meth:`receiving` - the receive loop without the wait: it yields how long to wait
-      for :meth:`wait_sockets` and is sent the readable ones (both wrappers run it);
+      and is sent the sources with input, which :meth:`select` (blocking) finds, or
+      :meth:`select` with no wait once :meth:`wait_fd` is readable (both wrappers run
+      it);
     * :meth:`wait_sockets`, :meth:`wait_seconds`, :meth:`ready_sources` and :meth:`step`
-      - the pieces of that loop, for a caller with its own event loop;
+      - the pieces of that loop, for a caller with its own event loop that polls the
+      sockets itself;
     * :meth:`finished` / :attr:`closed` / :meth:`close`.
 
     Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`.  Old option names
@@ -135,9 +140,22 @@ class SubscriberCore:
         self.max_replay_batches = options.max_replay_batches
         if isinstance(topic, str):
             topic = topic.encode()
-        self._sources = open_sources(
-            endpoints, topic, replay_endpoints, options, context=context, curve=curve
-        )
+        links = zmq_links(endpoints, replay_endpoints)
+        ensure_open_files(links)
+        self._own_context = None if context is not None else fleet_context(links)
+        try:
+            self._sources = open_sources(
+                endpoints,
+                topic,
+                replay_endpoints,
+                options,
+                context=context or self._own_context,
+                curve=curve,
+            )
+        except BaseException:
+            if self._own_context is not None:
+                self._own_context.destroy(0)
+            raise
         self.stats = SubscriberStats()
         self.decoder = decoder if decoder is not None else BatchDecoder()
         outbox = self._outbox = Outbox(self.stats, RateLimitedLog(logger))
@@ -177,6 +195,8 @@ class SubscriberCore:
         self._closed = False
         if options.catch_up:
             self._replays.catch_up_sources()
+            self._waits.settle(self._replays.touched)
+        self._replays.touched.clear()
 
     # --- deprecated names -------------------------------------------------------------
     @property
@@ -244,14 +264,14 @@ class SubscriberCore:
 
     def receiving(
         self, timeout_s: float | None
-    ) -> Generator[float | None, Iterable[Any], SubscriberItem | None]:
+    ) -> Generator[float | None, Iterable[Source], SubscriberItem | None]:
         """The receive loop, without the wait: returns the next batch or anomaly, or None
         after ``timeout_s`` seconds (None: no limit), after :meth:`close`, or when every
         source is exhausted and nothing is left.
 
-        Until then it yields how long to wait (seconds; None: until input; 0.0: just
-        let others run) for any of :meth:`wait_sockets` to become readable; send it the
-        readable ones (empty after a wait that timed out)."""
+        Until then it yields how long to wait (seconds; None: until input; 0.0: do not
+        wait, just let others run) and is sent the sources with input after that wait:
+        :meth:`select`'s answer."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             item = self.take()
@@ -262,12 +282,27 @@ class SubscriberCore:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 # Read what is already there before giving up.
-                self.step(None, now)
+                ready = yield 0.0
+                if self._closed:
+                    return None
+                self.step(ready, now)
                 return self.take()
-            readable = yield self.wait_seconds(now, deadline)
+            ready = yield self.wait_seconds(now, deadline)
             if self._closed:
                 return None
-            self.step(self.ready_sources(readable), time.monotonic())
+            self.step(ready, time.monotonic())
+
+    def select(self, timeout_s: float | None) -> list[Source]:
+        """Wait up to ``timeout_s`` seconds (None: until input) for input, and return the
+        sources that have some (a source with input already waiting ends the wait at
+        once).  Its cost does not grow with the number of sources."""
+        return self._waits.select(timeout_s)
+
+    def wait_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a source may have input, for an
+        event loop to wait on before :meth:`select` with no wait (None where the
+        platform's selector has none)."""
+        return self._waits.fileno()
 
     def wait_sockets(self) -> list[Any]:
         """The sockets to wait on for input (readable: call :meth:`step`)."""
@@ -275,10 +310,10 @@ class SubscriberCore:
 
     def wait_seconds(self, now: float, deadline: float | None) -> float | None:
         """How long a wait may last (None: until input): until ``deadline``, the next
-        replay deadline, redial or liveness check; 0 when an always-ready source (a
-        file) has more to read.  ``now`` and ``deadline`` are ``time.monotonic()``
-        seconds."""
-        if self._waits.any_always_ready():
+        replay deadline, redial or liveness check; 0 when a source has input already
+        (a file with more to read, a socket whose read stopped at its budget).  ``now``
+        and ``deadline`` are ``time.monotonic()`` seconds."""
+        if self._waits.pending:
             return 0.0
         waits = [
             w
@@ -294,7 +329,7 @@ class SubscriberCore:
 
     def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:
         """The sources owning ``sockets`` (readable ones from a poll of
-        :meth:`wait_sockets`), plus every always-ready source (a file)."""
+        :meth:`wait_sockets`), plus every source with input already waiting."""
         return self._waits.ready(sockets)
 
     def step(self, ready: Iterable[Source] | None, now: float) -> None:
@@ -304,7 +339,8 @@ class SubscriberCore:
         batch = self._batch
         live = self._live
         process = self._process
-        for src in self._sources if ready is None else ready:
+        sources = list(self._sources if ready is None else ready)
+        for src in sources:
             replays.new_read()
             msgs = src.receive(batch)
             if msgs:
@@ -321,13 +357,21 @@ class SubscriberCore:
                 self._inband.end(src, everything=True)
         replays.check_deadlines(now)
         self._liveness.check(now)
-        for src in self._sources:
-            maintain = getattr(src, "maintain", None)
-            if maintain is not None:
-                maintain(now)
+        waits = self._waits
+        maintained = waits.to_maintain()
+        for src in maintained:
+            src.maintain(now)  # type: ignore[attr-defined]
+        # Everything called above: its sockets' state is read afresh before the next wait.
+        waits.settle(sources)
+        if replays.touched:
+            waits.settle(replays.touched)
+            replays.touched.clear()
+        if maintained:
+            waits.settle(maintained)
 
     def close(self) -> None:
-        """Close every source's sockets (the ZMQ context is left alone).  Idempotent."""
+        """Close every source's sockets (the ZMQ context is left alone, unless the
+        subscriber opened one of its own for a large fleet).  Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -336,6 +380,9 @@ class SubscriberCore:
                 src.close()
             except Exception:  # pragma: no cover - closing must not raise
                 logger.exception("error closing %s", src.name)
+        self._waits.close()
+        if self._own_context is not None:
+            self._own_context.destroy(0)
 
     def __del__(self) -> None:
         try:

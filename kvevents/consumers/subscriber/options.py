@@ -33,6 +33,7 @@ __all__ = [
     "SubscriberOptions",
     "open_sources",
     "resolve_deprecated",
+    "zmq_links",
 ]
 
 EndpointSpec = Union[str, Source]
@@ -150,6 +151,26 @@ def open_sources(
             src.close()
         raise ConfigError(f"source names must be unique: {names}")
     return sources
+
+
+def zmq_links(endpoints: EndpointSpec | Sequence[EndpointSpec], replay: ReplaySpec) -> int:
+    """How many monitored ZMQ connections :func:`open_sources` and the replays may open:
+    one per endpoint string that is not a capture, one per replay endpoint given."""
+    specs = [endpoints] if isinstance(endpoints, (str, Source)) else list(endpoints)
+    live = sum(
+        1
+        for s in specs
+        if isinstance(s, str) and not s.startswith("capture:") and not s.endswith(".kvcap")
+    )
+    if replay is None:
+        replays = 0
+    elif isinstance(replay, str):
+        replays = 1
+    elif isinstance(replay, Mapping):
+        replays = len(replay)
+    else:
+        replays = sum(1 for r in replay if r is not None)
+    return live + replays
 
 
 def _replay_map(

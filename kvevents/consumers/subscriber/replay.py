@@ -74,6 +74,10 @@ class ReplayScheduler:
         """Requests sent and not finished."""
         self._cooldown_until: dict[ChannelKey, float] = {}
         self._cut_channels: set[ChannelKey] = set()
+        self._by_name = {src.name: src for src in sources}
+        self.touched: list[Source] = []
+        """Sources asked for a replay or told to drop one since the caller last cleared
+        this (their sockets' state changed: the caller settles them before waiting)."""
 
     def new_read(self) -> None:
         """A new read of one source begins (replies of a DEALER closed during the
@@ -208,8 +212,15 @@ class ReplayScheduler:
         channel for ``replay_cooldown_s`` and fails every request queued on it; a queued
         one that could not start in time fails alone."""
         expired = False
-        for ck, queue in self.queues.items():
-            if not queue or all(job.deadline > now for job in queue):
+        queues = self.queues
+        for ck, queue in list(queues.items()):
+            if not queue:
+                # Forget idle channels, so that this pass (once a step) and the next
+                # deadline's cost follow the channels with requests, not all of them.
+                if queues.get(ck) is queue:
+                    del queues[ck]
+                continue
+            if all(job.deadline > now for job in queue):
                 continue
             expired = True
             head = queue[0]
@@ -236,7 +247,7 @@ class ReplayScheduler:
         # The endpoint is dead or too slow: drop the request in flight, fail every
         # request queued for this channel, and leave it alone for a while.
         head = queue[0]
-        self._cut(self._source(ck[0]), ck, head.topic)
+        self._cut(self._by_name[ck[0]], ck, head.topic)
         self.in_flight -= 1
         self._cooldown_until[ck] = now + self.replay_cooldown_s
         self.outbox.stats.replays["timed_out"] += 1
@@ -271,8 +282,9 @@ class ReplayScheduler:
                     continue
                 if self.in_flight >= self.max_concurrent_replays:
                     break
-                src = self._source(ck[0])
+                src = self._by_name[ck[0]]
                 request_replay(src, job.start, job.topic)
+                self.touched.append(src)
                 job.sent = True
                 job.deadline = now + self.replay_timeout_s
                 self.in_flight += 1
@@ -280,12 +292,6 @@ class ReplayScheduler:
                 logger.debug("%s: replay from seq %d requested on %s", src.name, job.start, ck[1])
             if self.in_flight >= self.max_concurrent_replays:
                 return
-
-    def _source(self, name: str) -> Source:
-        for src in self.sources:
-            if src.name == name:
-                return src
-        raise KeyError(name)  # pragma: no cover - jobs only name known sources
 
     def _fail_job(self, job: ReplayJob, detail: str, *, conclusive: bool = True) -> None:
         for key, replay_id in job.streams():
@@ -295,6 +301,7 @@ class ReplayScheduler:
     def _cut(self, src: Source, ck: ChannelKey, topic: bytes) -> None:
         """Close ``ck``'s DEALER; replies of it already read in this batch are stale."""
         cancel_replay(src, topic)
+        self.touched.append(src)
         self._cut_channels.add(ck)
 
     def abandon(self, ck: ChannelKey, detail: str) -> None:
@@ -302,7 +309,7 @@ class ReplayScheduler:
         arrive any more); with ``detail``, its streams are told it failed."""
         queue = self.queues[ck]
         job = queue.popleft()
-        self._cut(self._source(ck[0]), ck, job.topic)
+        self._cut(self._by_name[ck[0]], ck, job.topic)
         self.in_flight -= 1
         self.outbox.stats.replays["abandoned"] += 1
         if detail:
