@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvevents.consumers.source_protocol import SourceMessage
 from kvevents.consumers.subscriber.waiting import SourceWaits
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _zmq_helpers import make_batch
+from _zmq_helpers import FaultyPublisher, make_batch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,9 +74,7 @@ def test_input_left_by_a_read_budget_is_read_without_new_traffic():
     # input behind on a socket whose descriptor will not signal it again.  Nothing more
     # is published: every batch must still arrive.
     pubs = _Publishers(1)
-    sub = Subscriber(
-        pubs.endpoints, catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0
-    )
+    sub = Subscriber(pubs.endpoints, catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0)
     try:
         pubs.await_subscribers()
         for seq in range(200):
@@ -370,3 +369,45 @@ def test_a_reused_descriptor_belongs_to_its_new_source(order: str):
         waits.close()
         for fd in (r0, w0, rb, wb):
             os.close(fd)
+
+
+def test_a_fleet_with_replay_endpoints_catches_up_and_follows_every_engine():
+    # 100 engines with replay servers: 5 batches each before the subscriber starts
+    # (recovered by the start-up catch-up, through 100 replay channels, 4 at a time),
+    # then 5 live ones.  Every engine's seqs 0-9 arrive once each, in order.
+    n = 100
+    pubs = [FaultyPublisher(topic=b"kv@fleet") for _ in range(n)]
+    sub: Subscriber | None = None
+    try:
+        for pub in pubs:
+            for i in range(5):
+                pub.publish(make_batch(i))
+        sub = Subscriber(
+            [p.endpoint for p in pubs],
+            replay_endpoints=[p.replay_endpoint for p in pubs],
+            topic=b"kv@fleet",
+        )
+        seqs: dict[str, list[int]] = {}
+
+        def pump() -> None:
+            assert sub is not None
+            item = sub.receive(0.01)
+            if isinstance(item, ReceivedBatch):
+                seqs.setdefault(item.source, []).append(item.seq)
+
+        for pub in pubs:
+            pub.wait_for_subscribers(1, timeout=30, pump=pump)
+        for pub in pubs:
+            for i in range(5, 10):
+                pub.publish(make_batch(i))
+        end = time.monotonic() + 60.0
+        while sum(len(v) for v in seqs.values()) < 10 * n:
+            assert time.monotonic() < end, f"{sum(len(v) for v in seqs.values())} of {10 * n}"
+            pump()
+        assert seqs == {p.source: list(range(10)) for p in pubs}
+        assert sub.stats.replays["completed"] >= n
+    finally:
+        if sub is not None:
+            sub.close()
+        for pub in pubs:
+            pub.close()
