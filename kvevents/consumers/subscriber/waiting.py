@@ -84,6 +84,9 @@ class SourceWaits:
     source without sockets that is not exhausted (a file): :meth:`select` returns the
     pending sources without waiting.  A source's sockets may change only while it is
     called (``receive``, ``request_replay``, ``cancel_replay``, ``maintain``, ``close``).
+    Sockets are told apart by identity, plain descriptors by number: a source that
+    closes a plain descriptor and opens another with the same number within one call is
+    not told apart (return an object with ``fileno()`` to be safe).
 
     Also tracks the sources that want attention without input: those whose
     ``redial_at`` (monotonic seconds) is set, and those with a ``maintain`` method but
