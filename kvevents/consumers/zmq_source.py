@@ -280,6 +280,13 @@ class ZmqSource:
         # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
         self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
         self._closed = False
+        self.read_settled = False
+        """Whether the last :meth:`receive` left every socket of this source with its
+        events read and nothing to read: each was read until empty (a receive that raised
+        ``zmq.Again`` or a ``ZMQ_EVENTS`` without ``POLLIN``), none stopped at the read's
+        budget (a read opens and closes no socket).  A waiter may then skip asking them
+        again (see
+        :class:`~kvevents.consumers.subscriber.waiting.SourceWaits`)."""
 
     @property
     def name(self) -> str:
@@ -335,6 +342,7 @@ class ZmqSource:
         return out
 
     def receive(self, limit: int) -> list[SourceMessage]:
+        self.read_settled = False
         if self._closed:
             return []
         now = time.time()
@@ -351,10 +359,12 @@ class ZmqSource:
         noblock = zmq.NOBLOCK
         again = zmq.Again
         budget = _DRAIN_BYTES
+        settled = False  # (until the read finds the SUB empty)
         for i in range(limit):
             try:
                 frame = recv(noblock, copy=False)
             except again:
+                settled = True
                 break
             frames = [frame.bytes]
             while frame.more:
@@ -375,19 +385,27 @@ class ZmqSource:
             # A live engine's batches mostly arrive one per read: after the first, ask
             # whether another waits rather than end the read with a raised zmq.Again.
             if i == 0 and not _waiting(sub):
+                settled = True
                 break
+        if not self._dealers:
+            self.read_settled = settled
+            return out
         for channel, (dealer, mon, topic) in list(self._dealers.items()):
             # (a replay channel is idle between replays: ask before reading)
-            for _ in range(limit if _waiting(dealer) else 0):
+            left = limit if _waiting(dealer) else 0
+            for _ in range(left):
                 try:
                     frames = dealer.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
+                    left = 0
                     break
                 msg = _parse_replay(frames, now)
                 msg.channel = channel
                 if not msg.topic:
                     msg.topic = topic
                 out.append(msg)
+            if left:
+                settled = False  # (stopped at the limit: more may wait)
             # After the replies: those already read arrived before the drop.
             if mon is not None:
                 for event in drain_monitor_events(mon):
@@ -395,6 +413,7 @@ class ZmqSource:
                         out.append(
                             SourceMessage(REPLAY_DISCONNECTED, topic, recv_ts=now, channel=channel)
                         )
+        self.read_settled = settled
         return out
 
     def maintain(self, now: float) -> None:

@@ -408,3 +408,31 @@ def test_a_fleet_with_replay_endpoints_catches_up_and_follows_every_engine():
             sub.close()
         for pub in pubs:
             pub.close()
+
+
+def test_replay_replies_left_by_a_read_limit_are_read_without_new_traffic():
+    # The start-up catch-up brings 60 replies on the replay channel; each read takes one
+    # (receive_batch=1) and nothing is published after the subscriber joins, so a read
+    # that leaves replies behind must not count its channel as read to the end.
+    with FaultyPublisher(topic=b"kv@limit") as pub:
+        for i in range(60):
+            pub.publish(make_batch(i))
+        sub = Subscriber(
+            pub.endpoint,
+            replay_endpoints=pub.replay_endpoint,
+            topic=b"kv@limit",
+            receive_batch=1,
+            stale_after_s=None,
+        )
+        try:
+            seqs: list[int] = []
+            end = time.monotonic() + 30.0
+            while len(seqs) < 60:
+                assert time.monotonic() < end, f"stalled after {len(seqs)} of 60"
+                item = sub.receive(0.5)
+                if isinstance(item, ReceivedBatch):
+                    seqs.append(item.seq)
+            assert seqs == list(range(60))
+            assert sub.stats.replays["catch_up"] == 1  # (they came as replay replies)
+        finally:
+            sub.close()

@@ -313,19 +313,18 @@ class SubscriberCore:
         replay deadline, redial or liveness check; 0 when a source has input already
         (a file with more to read, a socket whose read stopped at its budget).  ``now``
         and ``deadline`` are ``time.monotonic()`` seconds."""
-        if self._waits.pending:
+        waits = self._waits
+        if waits.pending:
             return 0.0
-        waits = [
-            w
-            for w in (
-                None if deadline is None else deadline - now,
-                self._replays.next_deadline_s(now),
-                self._waits.next_redial_s(now),
-                self._liveness.next_check_s(now),
-            )
-            if w is not None
-        ]
-        return max(0.0, min(waits)) if waits else None
+        wait = None if deadline is None else deadline - now
+        for w in (
+            self._replays.next_deadline_s(now),
+            waits.next_redial_s(now),
+            self._liveness.next_check_s(now),
+        ):
+            if w is not None and (wait is None or w < wait):
+                wait = w
+        return None if wait is None else max(0.0, wait)
 
     def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:
         """The sources owning ``sockets`` (readable ones from a poll of
@@ -362,7 +361,7 @@ class SubscriberCore:
         for src in maintained:
             src.maintain(now)  # type: ignore[attr-defined]
         # Everything called above: its sockets' state is read afresh before the next wait.
-        waits.settle(sources)
+        waits.settle(sources, read=True)
         if replays.touched:
             waits.settle(replays.touched)
             replays.touched.clear()

@@ -86,6 +86,8 @@ class ReplayScheduler:
 
     def next_deadline_s(self, now: float) -> float | None:
         """Seconds until the next request deadline (may be negative), None if none."""
+        if not self.queues:
+            return None
         deadlines = [job.deadline for queue in self.queues.values() for job in queue]
         return min(deadlines) - now if deadlines else None
 

@@ -110,11 +110,20 @@ class SourceWaits:
         self.settle(sources)
 
     # --- after a step ---------------------------------------------------------------
-    def settle(self, sources: Iterable[Source]) -> None:
+    def settle(self, sources: Iterable[Source], *, read: bool = False) -> None:
         """Bring the registration of ``sources`` up to date after they were called, and
-        note which still hold input (pending) or want to dial again."""
+        note which still hold input (pending) or want to dial again.  ``read``: the
+        sources were just read (``receive``), so a source whose ``read_settled`` is true
+        (its read opened or closed no socket and found every one empty) is not asked
+        again; one called since its read (a replay request, a redial) must be settled
+        again without ``read``."""
+        pending = self._pending
         for src in sources:
             key = id(src)
+            if read and getattr(src, "read_settled", False):
+                pending.pop(key, None)
+                self._note_redial(key, src)
+                continue
             old = self._regs.get(key, [])
             socks = src.sockets()
             if len(old) == len(socks) and all(_same(r[0], s) for r, s in zip(old, socks)):
@@ -128,13 +137,16 @@ class SourceWaits:
                 if is_zmq and int(sock.getsockopt(_EVENTS)) & _POLLIN:
                     waiting = True
             if waiting:
-                self._pending[key] = src
+                pending[key] = src
             else:
-                self._pending.pop(key, None)
-            if getattr(src, "redial_at", None) is not None:
-                self._redialing[key] = src
-            else:
-                self._redialing.pop(key, None)
+                pending.pop(key, None)
+            self._note_redial(key, src)
+
+    def _note_redial(self, key: int, src: Source) -> None:
+        if getattr(src, "redial_at", None) is not None:
+            self._redialing[key] = src
+        else:
+            self._redialing.pop(key, None)
 
     def _register(self, src: Source, old: list[_Reg], socks: Sequence[Any]) -> list[_Reg]:
         self._socket_list = None
@@ -221,6 +233,8 @@ class SourceWaits:
     def next_redial_s(self, now: float) -> float | None:
         """Seconds until a source next wants to dial again (its ``redial_at``, monotonic
         seconds; may be negative), None if none does."""
+        if not self._redialing:
+            return None
         due = [
             t
             for t in (getattr(src, "redial_at", None) for src in self._redialing.values())
