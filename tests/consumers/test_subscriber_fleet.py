@@ -20,6 +20,7 @@ import zmq
 from kvevents.codec import encode_batch, pack_live
 from kvevents.consumers import AsyncSubscriber, ReceivedBatch, Subscriber, ZmqSource
 from kvevents.consumers.source_protocol import SourceMessage
+from kvevents.consumers.subscriber import waiting
 from kvevents.consumers.subscriber.waiting import SourceWaits
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,6 +60,17 @@ class _Publishers:
         self.ctx.term()
 
 
+@pytest.fixture(params=["epoll", "selectors"])
+def waiter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with ``select.epoll`` itself (Linux) and with :mod:`selectors` (the
+    other platforms' path)."""
+    if request.param == "selectors":
+        monkeypatch.setattr(waiting, "_EPOLL", False)
+    elif not waiting._EPOLL:
+        pytest.skip("no epoll on this platform")
+    return str(request.param)
+
+
 def _receive_all(sub: Subscriber, n: int, timeout_s: float = 30.0) -> list[ReceivedBatch]:
     got: list[ReceivedBatch] = []
     while len(got) < n:
@@ -69,7 +81,7 @@ def _receive_all(sub: Subscriber, n: int, timeout_s: float = 30.0) -> list[Recei
     return got
 
 
-def test_input_left_by_a_read_budget_is_read_without_new_traffic():
+def test_input_left_by_a_read_budget_is_read_without_new_traffic(waiter: str):
     # Each read takes one message (receive_batch=1), so every read but the last leaves
     # input behind on a socket whose descriptor will not signal it again.  Nothing more
     # is published: every batch must still arrive.
@@ -282,7 +294,7 @@ class _CountingSource:
         self.inner.close()
 
 
-def test_a_wake_up_visits_only_the_sources_with_input():
+def test_a_wake_up_visits_only_the_sources_with_input(waiter: str):
     n = 50
     pubs = _Publishers(n)
     sources = [_CountingSource(ZmqSource(ep)) for ep in pubs.endpoints]
@@ -340,7 +352,7 @@ class _PipeSource:
 
 
 @pytest.mark.parametrize("order", ["new owner first", "old owner first"])
-def test_a_reused_descriptor_belongs_to_its_new_source(order: str):
+def test_a_reused_descriptor_belongs_to_its_new_source(order: str, waiter: str):
     # Source a closes a descriptor; source b opens one that gets the same number before a
     # is settled.  Whichever is settled first, b's input must wake b, and a stays quiet.
     a, b = _PipeSource("a"), _PipeSource("b")
@@ -410,7 +422,7 @@ def test_a_fleet_with_replay_endpoints_catches_up_and_follows_every_engine():
             pub.close()
 
 
-def test_replay_replies_left_by_a_read_limit_are_read_without_new_traffic():
+def test_replay_replies_left_by_a_read_limit_are_read_without_new_traffic(waiter: str):
     # The start-up catch-up brings 60 replies on the replay channel; each read takes one
     # (receive_batch=1) and nothing is published after the subscriber joins, so a read
     # that leaves replies behind must not count its channel as read to the end.

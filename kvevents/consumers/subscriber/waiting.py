@@ -8,6 +8,7 @@ poller cache of the asyncio subscriber's fallback.  May import the source protoc
 
 from __future__ import annotations
 
+import select
 import selectors
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
@@ -23,6 +24,10 @@ P = TypeVar("P", zmq.Poller, zmq.asyncio.Poller)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _FD = int(zmq.FD)
+_EPOLL = hasattr(select, "epoll")
+"""Wait with ``select.epoll`` itself where the platform has it (Linux): the same
+system call as :mod:`selectors`' epoll selector without its Python layer; elsewhere with
+:class:`selectors.DefaultSelector` (kqueue on macOS)."""
 
 
 class PollerCache(Generic[P]):
@@ -95,7 +100,8 @@ class SourceWaits:
 
     def __init__(self, sources: Sequence[Source]) -> None:
         self.sources = sources
-        self._selector = selectors.DefaultSelector()
+        self._epoll = select.epoll() if _EPOLL else None
+        self._selector = None if self._epoll is not None else selectors.DefaultSelector()
         self._regs: dict[int, list[_Reg]] = {}  # id(source) -> its registered sockets
         self._fd_owner: dict[int, tuple[Any, Source]] = {}  # descriptor -> (socket, source)
         self._owner: dict[int, Source] = {}  # id(socket) -> its source
@@ -177,15 +183,22 @@ class SourceWaits:
         if fd in self._fd_owner:
             # A closed socket's descriptor, reused before its source was settled.
             self._unregister(fd)
-        self._selector.register(fd, selectors.EVENT_READ, src)
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLIN)
+        else:
+            assert self._selector is not None
+            self._selector.register(fd, selectors.EVENT_READ)
         self._fd_owner[fd] = (sock, src)
         return (sock, fd, is_zmq)
 
     def _unregister(self, fd: int) -> None:
         try:
-            self._selector.unregister(fd)
-        except (KeyError, ValueError):  # pragma: no cover - not registered
-            pass
+            if self._epoll is not None:
+                self._epoll.unregister(fd)
+            elif self._selector is not None:
+                self._selector.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass  # not registered, or closed (which epoll forgets by itself)
 
     # --- waiting --------------------------------------------------------------------
     @property
@@ -198,18 +211,32 @@ class SourceWaits:
         source is pending) and return the sources with input: the pending ones, then
         those whose descriptors signalled.  Read them, then :meth:`settle` them."""
         pending = self._pending
-        events = self._selector.select(0.0 if pending else timeout_s)
-        if not events:
+        if pending:
+            timeout: float | None = 0.0
+        else:
+            timeout = None if timeout_s is None else max(0.0, timeout_s)
+        owner = self._fd_owner
+        if self._epoll is not None:
+            # (a wait is rounded up to whole milliseconds; None: no limit)
+            fired = [fd for fd, _ in self._epoll.poll(timeout, max(len(owner), 1))]
+        else:
+            assert self._selector is not None
+            fired = [key.fd for key, _ in self._selector.select(timeout)]
+        if not fired:
             return list(pending.values())
         ready = dict(pending)
-        for reg, _ in events:
-            src = reg.data
-            ready.setdefault(id(src), src)
+        for fd in fired:
+            entry = owner.get(fd)
+            if entry is not None:
+                src = entry[1]
+                ready.setdefault(id(src), src)
         return list(ready.values())
 
     def fileno(self) -> int | None:
         """A descriptor readable when a registered one is (the selector's own: epoll and
         kqueue have one, ``select`` has none), for an event loop to wait on."""
+        if self._epoll is not None:
+            return self._epoll.fileno()
         fileno = getattr(self._selector, "fileno", None)
         return None if fileno is None else int(fileno())
 
@@ -251,4 +278,7 @@ class SourceWaits:
 
     def close(self) -> None:
         """Release the selector (the sockets are the sources' to close)."""
-        self._selector.close()
+        if self._epoll is not None:
+            self._epoll.close()
+        if self._selector is not None:
+            self._selector.close()
