@@ -77,6 +77,10 @@ class Source(Protocol):
     ``replay_channel(topic) -> str | None`` names the replay endpoint serving a topic
     (one request at a time per channel), ``request_replay(start, topic)`` and
     ``cancel_replay(topic)`` take the topic.  A source without them has one channel.
+    ``read_settled: bool``, true after a ``receive`` that opened or closed no socket and
+    read each one until it was empty (a receive raised ``zmq.Again``, or ``ZMQ_EVENTS``
+    showed no ``POLLIN``), spares the subscriber asking every socket again before it
+    waits; a source without it is asked.
     """
 
     @property
