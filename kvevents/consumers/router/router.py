@@ -42,8 +42,21 @@ from kvevents.consumers.content import prompt_keys, request_keys
 from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.lookup import WorkerLookup
 from kvevents.consumers.router.match import Candidate, Match
-from kvevents.consumers.router.scoring import TierWeights, cheapest, monotone, rank
-from kvevents.consumers.router.walk import full_prefix, simple_matches
+from kvevents.consumers.router.scoring import (
+    TierWeights,
+    cheapest,
+    choose,
+    monotone,
+    rank,
+    slot_costs,
+)
+from kvevents.consumers.router.walk import (
+    SlotEnds,
+    assemble,
+    full_prefix,
+    simple_ends,
+    simple_matches,
+)
 from kvevents.errors import ConfigError
 from kvevents.request import MMFeature, PromptEmbeds, RequestKey
 
@@ -168,9 +181,21 @@ class Router:
         """
         tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
         lay = self.index.layout()
-        matches = self._find(tokens, key, lay)
-        best: WorkerId | None
         ordered, known = self._sorted_workers()
+        best: WorkerId | None
+        ends = self._simple_ends(tokens, key, lay)
+        if ends is not None and ends[3].bit_count() * 8 >= lay.nslots:
+            # one slot in eight or more has a match: priced from the walk's per-slot
+            # ends, without a Match per worker (with fewer, building the few matches
+            # costs less than pricing every slot)
+            wids, costs = slot_costs(
+                lay.pos_wids, ends[:3], len(tokens), loads, self.weights, self.load_weight
+            )
+            best = choose(wids, costs, ordered, known, len(tokens), loads, self.load_weight)
+            if best is None:
+                raise ConfigError(_NO_WORKERS)
+            return best
+        matches = assemble(lay, *ends) if ends is not None else self._find(tokens, key, lay)
         if (
             self.index.stale_workers
             or not monotone(self.weights, self.load_weight)
@@ -195,6 +220,33 @@ class Router:
         if best is None:
             raise ConfigError(_NO_WORKERS)
         return best
+
+    def _simple_ends(
+        self, tokens: Sequence[int], key: RequestKey | None, lay: IndexLayout
+    ) -> SlotEnds | None:
+        """The walk's per-slot ends for :meth:`select`, when they are the whole answer
+        and :func:`choose` may use them: every worker is served by the bitset walk (no
+        hybrid, windowed or speculative one), no worker is stale, the weights are
+        :func:`monotone` and the router's worker list was made from ``lay``.  Else None:
+        :meth:`select` goes through :meth:`_find`."""
+        n = len(tokens)
+        cache = self._workers_cache
+        if (
+            n < 2
+            or not lay.gpu_classes
+            or lay.complex_workers
+            or (key is not None and key.prompt_embeds is not None)
+            or cache is None
+            or cache[0] is not lay
+            or self.index.stale_workers
+            or not monotone(self.weights, self.load_weight)
+        ):
+            return None
+        unit = lay.canonical
+        keys = prompt_keys(tokens, unit) if key is None else request_keys(key, unit)
+        if not keys:
+            return None
+        return simple_ends(keys, n, lay, self.index)
 
     def _rank(
         self,

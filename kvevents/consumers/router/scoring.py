@@ -16,15 +16,16 @@ May import: :mod:`kvevents.consumers.index` (for :data:`WorkerId`) and
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress, islice
+from itertools import compress, islice, repeat
+from operator import add, mul, sub
 
 from kvevents.consumers.index import WorkerId
 from kvevents.consumers.router.match import ZERO, Candidate, Match
 
-__all__ = ["TierWeights", "cheapest", "monotone", "rank"]
+__all__ = ["TierWeights", "cheapest", "choose", "monotone", "rank", "slot_costs"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ def cheapest(
     true cost.
     """
     lw = load_weight
-    zero = lw * 0.0
-    matched: tuple[float, WorkerId] | None = None
+    costs: list[float] = []
     if matches:
         # each matched worker at its true cost, ``n - reused + lw * load``
         wg, wc, ws = weights.gpu, weights.cpu, weights.storage
@@ -102,11 +102,70 @@ def cheapest(
                 for wid, (g, c, st) in matches.items()
             ]
         else:
+            zero = lw * 0.0
             costs = [n - (wg * g + wc * c + ws * st) + zero for g, c, st in matches.values()]
-        matched = _least(costs, matches)
+    return choose(matches, costs, ordered, known, n, loads, lw)
+
+
+def slot_costs(
+    pos_wids: Sequence[WorkerId | None],
+    ends: tuple[Sequence[int], Sequence[int] | None, Sequence[int] | None],
+    n: int,
+    loads: Mapping[WorkerId, float] | None,
+    weights: TierWeights,
+    load_weight: float,
+) -> tuple[list[WorkerId], list[float]]:
+    """The workers with a match and their costs, from per-slot ends (the GPU, CPU and
+    STORAGE ends in tokens, indexed by slot + 1 as ``pos_wids``; None: the tier adds
+    nothing), in slot order: the workers and the costs :func:`cheapest` computes from
+    their :class:`Match`, without building one (C loops over every slot).  Requires
+    :func:`monotone` weights.
+
+    The terms of a tier that adds nothing, and the load term without loads, are left
+    out: with finite weights each is ±0.0, and adding ±0.0 to the rest changes no cost
+    (a cost is never −0.0), so every cost compares as :func:`cheapest`'s does.
+    """
+    gpu_end, cpu_end, storage_end = ends
+    reused: Iterable[float] = map(mul, repeat(weights.gpu), gpu_end)
+    last = gpu_end
+    if cpu_end is not None:
+        cpu = map(mul, repeat(weights.cpu), map(sub, cpu_end, gpu_end))
+        reused = map(add, reused, cpu)
+        last = cpu_end
+    if storage_end is not None:
+        storage = map(mul, repeat(weights.storage), map(sub, storage_end, last))
+        reused = map(add, reused, storage)
+        last = storage_end
+    # (a slot without a worker has all-zero ends and is dropped with the unmatched)
+    wids: list[WorkerId] = list(compress(pos_wids, last))  # type: ignore[arg-type]
+    costs: Iterable[float] = map(sub, repeat(n), compress(reused, last))
+    if loads:
+        load = map(float, map(loads.get, wids, repeat(0.0)))
+        costs = map(add, costs, map(mul, repeat(load_weight), load))
+    return wids, list(costs)
+
+
+def choose(
+    matched: Collection[WorkerId],
+    costs: list[float],
+    ordered: Sequence[WorkerId],
+    known: AbstractSet[WorkerId],
+    n: int,
+    loads: Mapping[WorkerId, float] | None,
+    load_weight: float,
+) -> WorkerId | None:
+    """:func:`cheapest` once the matched workers are priced: ``matched`` the workers with
+    a match (iterated in the order of ``costs``, their costs)."""
+    lw = load_weight
+    zero = lw * 0.0
+    matched_best: tuple[float, WorkerId] | None = None
+    if costs:
+        matched_best = _least(costs, matched)
         bound = _unmatched_bound(n, loads, lw)
-        if bound is not None and matched[0] < bound:
-            return matched[1]  # no candidate can come near it without a match
+        if bound is not None and matched_best[0] < bound:
+            return matched_best[1]  # no candidate can come near it without a match
+    if not isinstance(matched, (Mapping, AbstractSet)):
+        matched = set(matched)  # (tested for membership below)
     best: tuple[float, WorkerId] | None = None
     if loads:
         # ``float(lw) * x == lw * x`` for an int ``lw`` too (int * float converts it)
@@ -119,11 +178,11 @@ def cheapest(
                     break
     else:
         for wid in ordered:  # the smallest worker without a match
-            if wid not in matches:
+            if wid not in matched:
                 best = (n - 0.0 + zero, wid)
                 break
-    if matched is not None and (best is None or matched < best):
-        best = matched
+    if matched_best is not None and (best is None or matched_best < best):
+        best = matched_best
     return None if best is None else best[1]
 
 

@@ -29,7 +29,7 @@ from operator import sub
 from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.match import Match
 
-__all__ = ["assemble", "full_prefix", "simple_matches", "walk"]
+__all__ = ["SlotEnds", "assemble", "full_prefix", "simple_ends", "simple_matches", "walk"]
 
 _NO_JOIN = (0, 0)
 _EMPTY: Mapping[int, int] = {}
@@ -147,10 +147,22 @@ def walk(
     return credited, nstarts, naligned
 
 
+SlotEnds = tuple[list[int], list[int] | None, list[int] | None, int]
+"""Per-slot ends (tokens, indexed by slot + 1) of the GPU, CPU and STORAGE tiers (None: the
+tier adds nothing), and the slots with a non-zero end (a bit per slot): what
+:func:`assemble` turns into matches."""
+
+
 def simple_matches(
     keys: list[int], n: int, lay: IndexLayout, index: BlockIndex
 ) -> dict[WorkerId, Match]:
-    """Matches of the workers with one full-attention group and no speculative mode.
+    """Matches of the workers with one full-attention group and no speculative mode
+    (:func:`simple_ends`, assembled)."""
+    return assemble(lay, *simple_ends(keys, n, lay, index))
+
+
+def simple_ends(keys: list[int], n: int, lay: IndexLayout, index: BlockIndex) -> SlotEnds:
+    """Per-slot ends of the workers with one full-attention group and no speculative mode.
 
     ``keys`` are the request's unit keys (``n`` tokens); the GPU tier sees only those of
     the first ``n − 1`` tokens (vLLM never reuses the last prompt token), the chunk tiers
@@ -183,7 +195,7 @@ def simple_matches(
                 starts[f] = starts.get(f, 0) | bits
     more = index.marks(2)
     if not chunk or not (index.marks(1) or more):
-        return assemble(lay, gpu_end, None, None, hit)
+        return gpu_end, None, None, hit
     if len(chunk) == 1:
         by_class = [starts]
     else:
@@ -216,7 +228,7 @@ def simple_matches(
         if want_next:
             aligned |= credited  # a CPU hit ends on a chunk boundary
         ends[tier] = base = end
-    return assemble(lay, gpu_end, ends[1], ends[2], hit)
+    return gpu_end, ends[1], ends[2], hit
 
 
 @lru_cache(maxsize=8)
