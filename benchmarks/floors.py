@@ -17,8 +17,10 @@ only a compiled core (or doing less work) can.
   0.4 ms.
 * ``select``: with a load per worker (1 % of the fleet holds the prompt), the floor is
   ``find_matches`` plus one C pass over the loads; with every worker matching (no
-  loads), ``find_matches`` plus pricing each match once in one comprehension.  Goal:
-  1.1x ``find_matches``.
+  loads), ``find_matches`` plus pricing each match once in one comprehension: the floor
+  of a ``select`` built on ``find_matches``'s result.  ``select`` no longer is when most
+  workers match (it prices the walk's per-slot ends without building a ``Match`` per
+  worker), so it can run below that row.  Goal: 1.1x ``find_matches``.
 * ``subscriber``: CPU us per 2-event batch (``benchmarks/subscriber.py``'s traffic).
   Floor: a bare receive loop that also decodes each payload (no sequence tracking, no
   result record).  Goal: the subscriber at 0.7x a bare receive loop's rate.
