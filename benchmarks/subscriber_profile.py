@@ -11,7 +11,10 @@ batches at RATE per second instead, as a live engine does: most reads then find 
 batch, so the per-read work (the wait, connection checks, the read that finds nothing
 more) counts as it does in a live deployment.  ``--engines N`` (with ``--paced``) spreads
 that traffic round robin over N publishers, one endpoint each, which the subscriber
-follows as N sources: a fleet, where a wait must not cost more with each engine.  To
+follows as N sources: a fleet, where a wait must not cost more with each engine.
+``--warm`` times one wake-up with warm caches instead: an inproc PUB in this process
+sends one batch, then one ``receive`` takes it, against a bare ``zmq.Poller`` loop over
+the same sends (the per-wake-up Python, without the sleep between batches).  To
 compare two checkouts, run this script under each one's ``PYTHONPATH`` alternately.
 
 Prints a table and a last JSON line (the subscriber against the bare loop, measured in
@@ -196,6 +199,62 @@ def run_raw(
     return cpu / n * 1e6
 
 
+def run_warm(n: int, rounds: int) -> tuple[list[float], list[float]]:
+    """CPU us per batch of one wake-up with warm caches: an inproc PUB in this process
+    sends one batch, then ``Subscriber.receive`` takes it (ours), or a ``zmq.Poller``
+    loop polls and drains its own SUB (the bare loop, fed by a second PUB); both include
+    the send.  ``rounds`` alternated rounds of ``n`` batches each; the per-round
+    figures of each."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pubs = []
+    for name in ("ours", "bare"):
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.bind(f"inproc://warm-{name}")
+        pubs.append(pub)
+    data = payloads()
+    sub = Subscriber(
+        "inproc://warm-ours", rcvhwm=0, catch_up=False, stale_after_s=None, context=ctx
+    )
+    raw = ctx.socket(zmq.SUB)
+    raw.setsockopt(zmq.RCVHWM, 0)
+    raw.setsockopt(zmq.SUBSCRIBE, b"")
+    raw.connect("inproc://warm-bare")
+    poller = zmq.Poller()
+    poller.register(raw, zmq.POLLIN)
+    seq = 0
+    ours: list[float] = []
+    bare: list[float] = []
+    try:
+        for _ in range(rounds):
+            send = pubs[0].send_multipart
+            t0 = time.thread_time()
+            for i in range(n):
+                send(pack_live(TOPIC, seq + i, data[i % len(data)]))
+                if not isinstance(sub.receive(5), ReceivedBatch):
+                    raise RuntimeError("the subscriber missed a batch")
+            ours.append((time.thread_time() - t0) / n * 1e6)
+            send = pubs[1].send_multipart
+            t0 = time.thread_time()
+            for i in range(n):
+                send(pack_live(TOPIC, seq + i, data[i % len(data)]))
+                for sock, _ in poller.poll(5000):
+                    while True:
+                        try:
+                            sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+            bare.append((time.thread_time() - t0) / n * 1e6)
+            seq += n
+    finally:
+        sub.close()
+        raw.close(0)
+        for pub in pubs:
+            pub.close(0)
+        ctx.term()
+    return ours, bare
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batches", type=int, default=60_000)
@@ -216,10 +275,31 @@ def main() -> None:
         metavar="N",
         help="with --paced: N publishers (endpoints), sent to round robin",
     )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="one wake-up with warm caches: an inproc PUB in this process sends one batch, "
+        "then one receive (7 alternated rounds of 20,000 batches)",
+    )
     a = p.parse_args()
     batches, repeat = (3_000, 1) if a.quick else (a.batches, a.repeat)
     if a.engines > 1 and a.paced is None:
         p.error("--engines needs --paced")
+    if a.warm:
+        ours, bare = run_warm(3_000, 2) if a.quick else run_warm(20_000, 7)
+        report(
+            "subscriber_profile",
+            [
+                result(
+                    "one wake-up, warm: Subscriber.receive, CPU per batch, min of rounds "
+                    "(vs a bare Poller loop)",
+                    round(min(ours), 3),
+                    "us",
+                    round(min(bare), 3),
+                ),
+            ],
+        )
+        return
     if a.profile:
         prof = cProfile.Profile()
         run_subscriber(batches, prof, a.paced, a.engines)
