@@ -219,8 +219,17 @@ def test_random_damage_never_loses_an_intact_record(
                 span, shift = (p, p + 1), len(blob)
                 data[p:p] = blob
             else:
-                span, shift = (p, p + len(blob)), -min(len(blob), len(data) - p)
-                del data[p : p + len(blob)]
+                k = min(len(blob), len(data) - p)
+                # Deleting k bytes at p leaves the same file as deleting them at p ± 1
+                # wherever the byte that would go instead is equal: every record any
+                # of those deletions touches is damaged (the reader cannot tell which).
+                lo, hi = p, p
+                while lo > header and data[lo - 1] == data[lo - 1 + k]:
+                    lo -= 1
+                while hi + k < len(data) and data[hi] == data[hi + k]:
+                    hi += 1
+                span, shift = (lo, hi + k), -k
+                del data[p : p + k]
             for i, e in enumerate(where):
                 if e is None:
                     continue
