@@ -183,40 +183,36 @@ class Router:
         lay = self.index.layout()
         ordered, known = self._sorted_workers()
         best: WorkerId | None
+        n, wts, lw = len(tokens), self.weights, self.load_weight
         ends = self._simple_ends(tokens, key, lay)
         if ends is not None and ends[3].bit_count() * 8 >= lay.nslots:
             # one slot in eight or more has a match: priced from the walk's per-slot
-            # ends, without a Match per worker (with fewer, building the few matches
-            # costs less than pricing every slot)
-            wids, costs = slot_costs(
-                lay.pos_wids, ends[:3], len(tokens), loads, self.weights, self.load_weight
-            )
-            best = choose(wids, costs, ordered, known, len(tokens), loads, self.load_weight)
-            if best is None:
-                raise ConfigError(_NO_WORKERS)
-            return best
-        matches = assemble(lay, *ends) if ends is not None else self._find(tokens, key, lay)
-        if (
-            self.index.stale_workers
-            or not monotone(self.weights, self.load_weight)
-            # the workers of a match are the index's when the layout is the one ``known``
-            # was made from (the same object); else (another thread changed the index
-            # meanwhile) they are checked
-            or (
-                matches
-                and self._workers_cache is not None
-                and self._workers_cache[0] is not lay
-                and not matches.keys() <= known
-            )
-        ):
-            # stale workers to leave out, or unusual weights (a match may raise a
-            # cost): rank every candidate
-            ranked = self._rank(request, matches, loads)
-            best = ranked[0].worker if ranked else None
+            # ends, without a Match per worker
+            wids, costs = slot_costs(lay.pos_wids, ends[:3], n, loads, wts, lw)
+            best = choose(wids, costs, ordered, known, n, loads, lw)
+        elif ends is not None:  # (building the few matches costs less than pricing every slot)
+            best = cheapest(assemble(lay, *ends), ordered, known, n, loads, wts, lw)
         else:
-            best = cheapest(
-                matches, ordered, known, len(tokens), loads, self.weights, self.load_weight
-            )
+            matches = self._find(tokens, key, lay)
+            if (
+                self.index.stale_workers
+                or not monotone(wts, lw)
+                # the workers of a match are the index's when the layout is the one
+                # ``known`` was made from (the same object); else (another thread changed
+                # the index meanwhile) they are checked
+                or (
+                    matches
+                    and self._workers_cache is not None
+                    and self._workers_cache[0] is not lay
+                    and not matches.keys() <= known
+                )
+            ):
+                # stale workers to leave out, or unusual weights (a match may raise a
+                # cost): rank every candidate
+                ranked = self._rank(request, matches, loads)
+                best = ranked[0].worker if ranked else None
+            else:
+                best = cheapest(matches, ordered, known, n, loads, wts, lw)
         if best is None:
             raise ConfigError(_NO_WORKERS)
         return best
