@@ -154,11 +154,9 @@ class LiveLink:
         drop of a connecting SUB sets :attr:`redial_at`; a handshake or libzmq's own
         reconnect attempt clears it."""
         out: list[SourceMessage] = []
-        mon = self.monitor
-        # (usually nothing waits: asked here once per read, before draining)
-        if mon is None or not int(mon.getsockopt(_EVENTS)) & _POLLIN:
+        if self.monitor is None:
             return out
-        for event in drain_monitor_events(mon):
+        for event in drain_monitor_events(self.monitor):
             if event == zmq.EVENT_CONNECT_RETRIED:
                 self.redial_at = None  # libzmq reconnects by itself
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
