@@ -27,7 +27,34 @@ _FD = int(zmq.FD)
 _EPOLL = hasattr(select, "epoll")
 """Wait with ``select.epoll`` itself where the platform has it (Linux): the same
 system call as :mod:`selectors`' epoll selector without its Python layer; elsewhere with
-:class:`selectors.DefaultSelector` (kqueue on macOS)."""
+:class:`selectors.DefaultSelector` (kqueue on macOS), through :class:`_SelectorPoll`."""
+
+
+class _SelectorPoll:
+    """The part of ``select.epoll``'s interface :class:`SourceWaits` uses, over
+    :class:`selectors.DefaultSelector`, for platforms without epoll (read events only)."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+
+    def register(self, fd: int, _events: int) -> None:
+        self._selector.register(fd, selectors.EVENT_READ)
+
+    def unregister(self, fd: int) -> None:
+        self._selector.unregister(fd)
+
+    def poll(self, timeout: float | None, _maxevents: int) -> list[tuple[int, int]]:
+        return [(key.fd, events) for key, events in self._selector.select(timeout)]
+
+    def fileno(self) -> int | None:
+        fileno = getattr(self._selector, "fileno", None)
+        return None if fileno is None else int(fileno())
+
+    def close(self) -> None:
+        self._selector.close()
+
+
+_READ = select.EPOLLIN if _EPOLL else selectors.EVENT_READ
 
 
 class PollerCache(Generic[P]):
@@ -100,8 +127,7 @@ class SourceWaits:
 
     def __init__(self, sources: Sequence[Source]) -> None:
         self.sources = sources
-        self._epoll = select.epoll() if _EPOLL else None
-        self._selector = None if self._epoll is not None else selectors.DefaultSelector()
+        self._poll: select.epoll | _SelectorPoll = select.epoll() if _EPOLL else _SelectorPoll()
         self._regs: dict[int, list[_Reg]] = {}  # id(source) -> its registered sockets
         self._fd_owner: dict[int, tuple[Any, Source]] = {}  # descriptor -> (socket, source)
         self._owner: dict[int, Source] = {}  # id(socket) -> its source
@@ -183,20 +209,13 @@ class SourceWaits:
         if fd in self._fd_owner:
             # A closed socket's descriptor, reused before its source was settled.
             self._unregister(fd)
-        if self._epoll is not None:
-            self._epoll.register(fd, select.EPOLLIN)
-        else:
-            assert self._selector is not None
-            self._selector.register(fd, selectors.EVENT_READ)
+        self._poll.register(fd, _READ)
         self._fd_owner[fd] = (sock, src)
         return (sock, fd, is_zmq)
 
     def _unregister(self, fd: int) -> None:
         try:
-            if self._epoll is not None:
-                self._epoll.unregister(fd)
-            elif self._selector is not None:
-                self._selector.unregister(fd)
+            self._poll.unregister(fd)
         except (KeyError, ValueError, OSError):
             pass  # not registered, or closed (which epoll forgets by itself)
 
@@ -216,12 +235,8 @@ class SourceWaits:
         else:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
         owner = self._fd_owner
-        if self._epoll is not None:
-            # (a wait is rounded up to whole milliseconds; None: no limit)
-            fired = [fd for fd, _ in self._epoll.poll(timeout, max(len(owner), 1))]
-        else:
-            assert self._selector is not None
-            fired = [key.fd for key, _ in self._selector.select(timeout)]
+        # (a wait is rounded up to whole milliseconds; None: no limit)
+        fired = [fd for fd, _ in self._poll.poll(timeout, max(len(owner), 1))]
         if not fired:
             return list(pending.values())
         ready = dict(pending)
@@ -235,10 +250,8 @@ class SourceWaits:
     def fileno(self) -> int | None:
         """A descriptor readable when a registered one is (the selector's own: epoll and
         kqueue have one, ``select`` has none), for an event loop to wait on."""
-        if self._epoll is not None:
-            return self._epoll.fileno()
-        fileno = getattr(self._selector, "fileno", None)
-        return None if fileno is None else int(fileno())
+        fileno: int | None = self._poll.fileno()
+        return fileno
 
     def sockets(self) -> list[Any]:
         """Every source's sockets (for a caller that polls them itself)."""
@@ -278,7 +291,4 @@ class SourceWaits:
 
     def close(self) -> None:
         """Release the selector (the sockets are the sources' to close)."""
-        if self._epoll is not None:
-            self._epoll.close()
-        if self._selector is not None:
-            self._selector.close()
+        self._poll.close()
