@@ -6,6 +6,8 @@ loads and load weights; each example checks which path was taken."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -38,6 +40,21 @@ def hold(index: BlockIndex, worker: tuple[str, int], blocks: int, cpu: int, stor
         events.append(BlockStored([h], None, [], 0, None, medium, None, group_idx=0))
     events += [BlockRemoved([h], "GPU", group_idx=0) for h in hs[keep_gpu:]]
     index.apply(worker[0], worker[1], KVEventBatch(0.0, events))
+
+
+@contextmanager
+def slot_pricing_calls() -> Iterator[list[int]]:
+    """Count the calls of ``select``'s slot path (``slot_costs``) while inside."""
+    calls: list[int] = []
+    original = router_module.slot_costs
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(router_module, "slot_costs", counted)
+        yield calls
 
 
 fleet = st.lists(
@@ -84,15 +101,7 @@ def test_select_from_slot_ends_is_the_first_of_score(
             if data.draw(st.booleans()):
                 loads[wid] = data.draw(load_values)
     prompt = BASE[:prompt_len]
-    taken = []
-    original = router_module.slot_costs
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        taken.append(1)
-        return original(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(router_module, "slot_costs", counted)
+    with slot_pricing_calls() as taken:
         ranked = router.score(prompt, loads)
         assert router.select(prompt, loads) == ranked[0].worker
     # the slot path is taken exactly when one slot in eight or more has a match
@@ -110,14 +119,6 @@ def test_a_fleet_where_few_hold_the_prompt_builds_the_matches() -> None:
         store = BlockStored(wire(other), None, other, 16, None, "GPU", None, group_idx=0)
         index.apply(f"tcp://other{i}:1", 0, KVEventBatch(0.0, [store]))
     router = Router(index)
-    taken = []
-    original = router_module.slot_costs
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        taken.append(1)
-        return original(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(router_module, "slot_costs", counted)
+    with slot_pricing_calls() as taken:
         assert router.select(BASE) == ("tcp://holder:1", 0)
     assert not taken
