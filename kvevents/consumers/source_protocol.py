@@ -81,6 +81,11 @@ class Source(Protocol):
     read each one until it was empty (a receive raised ``zmq.Again``, or ``ZMQ_EVENTS``
     showed no ``POLLIN``), spares the subscriber asking every socket again before it
     waits; a source without it is asked.
+    ``watch_signals() -> Sequence[Any]`` names sockets (among ``sockets()``) that the
+    source then reads only when told, by ``signalled(sock)``: a waiter that calls it
+    promises to call ``signalled`` whenever such a socket's descriptor signals or the
+    socket is found with input, before the source's next ``receive`` (the ZMQ source's
+    connection monitor, so a read does not ask it each time).
     """
 
     @property

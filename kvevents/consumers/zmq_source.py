@@ -131,6 +131,11 @@ class LiveLink:
             sock.get_monitor_socket(MONITORED_EVENTS) if monitor else None
         )
         """The SUB's monitor socket (None: not monitored)."""
+        self.monitor_watched = False
+        """Whether a waiter reports when the monitor's descriptor signals (by
+        :meth:`monitor_signalled`): :meth:`connection_events` then reads the monitor only
+        after such a report, not at every call."""
+        self._monitor_due = True
         try:
             if is_wildcard_endpoint(endpoint):
                 sock.bind(endpoint)
@@ -156,6 +161,10 @@ class LiveLink:
         out: list[SourceMessage] = []
         if self.monitor is None:
             return out
+        if self.monitor_watched:
+            if not self._monitor_due:
+                return out
+            self._monitor_due = False  # (drained below until empty)
         for event in drain_monitor_events(self.monitor):
             if event == zmq.EVENT_CONNECT_RETRIED:
                 self.redial_at = None  # libzmq reconnects by itself
@@ -167,6 +176,11 @@ class LiveLink:
                 if self.bound_endpoint is None:
                     self.redial_at = time.monotonic() + _REDIAL_AFTER_S
         return out
+
+    def monitor_signalled(self) -> None:
+        """The monitor's descriptor signalled (or it was found with input): the next
+        :meth:`connection_events` reads it, when :attr:`monitor_watched`."""
+        self._monitor_due = True
 
     def maintain(self, now: float) -> None:
         """Dial again once :attr:`redial_at` is due (``now`` is ``time.monotonic()``):
@@ -340,6 +354,24 @@ class ZmqSource:
             if mon is not None:
                 out.append(mon)
         return out
+
+    def watch_signals(self) -> list[Any]:
+        """The sockets this source reads only when told that they signalled: the live
+        connection's monitor, read at every :meth:`receive` until a waiter calls this
+        and then after each :meth:`signalled` for it (one ``ZMQ_EVENTS`` less per read).
+        A caller of this promises to call :meth:`signalled` whenever the monitor's
+        descriptor signals or the monitor is found with input, before the next read."""
+        mon = self._link.monitor
+        if mon is None or self._closed:
+            return []
+        self._link.monitor_watched = True
+        return [mon]
+
+    def signalled(self, sock: Any) -> None:
+        """``sock`` (one of :meth:`watch_signals`) signalled: read it at the next
+        :meth:`receive`."""
+        if sock is self._link.monitor:
+            self._link.monitor_signalled()
 
     def receive(self, limit: int) -> list[SourceMessage]:
         self.read_settled = False

@@ -338,7 +338,7 @@ class SubscriberCore:
         batch = self._batch
         live = self._live
         process = self._process
-        sources = list(self._sources if ready is None else ready)
+        sources = self._waits.everything() if ready is None else list(ready)
         for src in sources:
             replays.new_read()
             msgs = src.receive(batch)

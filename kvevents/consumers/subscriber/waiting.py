@@ -88,8 +88,9 @@ def poll_timeout_ms(wait_s: float | None, minimum_ms: int = 0) -> int | None:
     return None if wait_s is None else max(minimum_ms, int(wait_s * 1000 + 0.999))
 
 
-# (socket, its file descriptor, whether it is a ZMQ socket)
-_Reg = tuple[Any, int, bool]
+# (socket, its file descriptor, whether it is a ZMQ socket, whether its source is told
+# when it signals: one of the source's ``watch_signals()``)
+_Reg = tuple[Any, int, bool, bool]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -120,6 +121,11 @@ class SourceWaits:
     closes a plain descriptor and opens another with the same number within one call is
     not told apart (return an object with ``fileno()`` to be safe).
 
+    A source may name sockets it reads only when told (``watch_signals()``, the ZMQ
+    source's connection monitor): their source's ``signalled(sock)`` is called whenever
+    such a socket's descriptor signals, a settle finds it with input, or every source is
+    read (:meth:`everything`), before the source is next read.
+
     Also tracks the sources that want attention without input: those whose
     ``redial_at`` (monotonic seconds) is set, and those with a ``maintain`` method but
     no ``redial_at``, which are maintained at every step.
@@ -129,8 +135,10 @@ class SourceWaits:
         self.sources = sources
         self._poll: select.epoll | _SelectorPoll = select.epoll() if _EPOLL else _SelectorPoll()
         self._regs: dict[int, list[_Reg]] = {}  # id(source) -> its registered sockets
-        self._fd_owner: dict[int, tuple[Any, Source]] = {}  # descriptor -> (socket, source)
+        # descriptor -> (socket, source, whether the source is told when it signals)
+        self._fd_owner: dict[int, tuple[Any, Source, bool]] = {}
         self._owner: dict[int, Source] = {}  # id(socket) -> its source
+        self._watched: dict[int, tuple[Any, Source]] = {}  # id(socket) -> (socket, source)
         self._pending: dict[int, Source] = {}
         self._redialing: dict[int, Source] = {}
         self._always_maintained = [
@@ -163,11 +171,13 @@ class SourceWaits:
             else:
                 regs = self._register(src, old, socks)
             waiting = not regs and not src.exhausted
-            for sock, _, is_zmq in regs:
+            for sock, _, is_zmq, watched in regs:
                 # Read every socket's events, not only until one has input: the read
                 # is what clears a descriptor that signalled.
                 if is_zmq and int(sock.getsockopt(_EVENTS)) & _POLLIN:
                     waiting = True
+                    if watched:
+                        src.signalled(sock)  # type: ignore[attr-defined]
             if waiting:
                 pending[key] = src
             else:
@@ -182,10 +192,13 @@ class SourceWaits:
 
     def _register(self, src: Source, old: list[_Reg], socks: Sequence[Any]) -> list[_Reg]:
         self._socket_list = None
+        watch = getattr(src, "watch_signals", None)
+        watched = list(watch()) if callable(watch) else []
         regs: list[_Reg] = []
-        for sock, fd, _ in old:
+        for sock, fd, _, _ in old:
             if not any(_same(sock, s) for s in socks):
                 self._owner.pop(id(sock), None)
+                self._watched.pop(id(sock), None)
                 # (the descriptor may already serve a socket another source opened since)
                 owner = self._fd_owner.get(fd)
                 if owner is not None and owner[1] is src and _same(owner[0], sock):
@@ -194,13 +207,15 @@ class SourceWaits:
         for sock in socks:
             reg = next((r for r in old if _same(r[0], sock)), None)
             if reg is None:
-                reg = self._add(sock, src)
+                reg = self._add(sock, src, any(_same(sock, w) for w in watched))
             regs.append(reg)
             self._owner[id(sock)] = src
+            if reg[3]:
+                self._watched[id(sock)] = (sock, src)
         self._regs[id(src)] = regs
         return regs
 
-    def _add(self, sock: Any, src: Source) -> _Reg:
+    def _add(self, sock: Any, src: Source, watched: bool) -> _Reg:
         is_zmq = isinstance(sock, zmq.Socket)
         if is_zmq:
             fd = int(sock.getsockopt(_FD))
@@ -210,8 +225,8 @@ class SourceWaits:
             # A closed socket's descriptor, reused before its source was settled.
             self._unregister(fd)
         self._poll.register(fd, _READ)
-        self._fd_owner[fd] = (sock, src)
-        return (sock, fd, is_zmq)
+        self._fd_owner[fd] = (sock, src, watched)
+        return (sock, fd, is_zmq, watched)
 
     def _unregister(self, fd: int) -> None:
         try:
@@ -244,8 +259,17 @@ class SourceWaits:
             entry = owner.get(fd)
             if entry is not None:
                 src = entry[1]
+                if entry[2]:
+                    src.signalled(entry[0])  # type: ignore[attr-defined]
                 ready.setdefault(id(src), src)
         return list(ready.values())
+
+    def everything(self) -> list[Source]:
+        """Every source, for a read of all of them: each is told that its watched
+        sockets signalled."""
+        for sock, src in self._watched.values():
+            src.signalled(sock)  # type: ignore[attr-defined]
+        return list(self.sources)
 
     def fileno(self) -> int | None:
         """A descriptor readable when a registered one is (the selector's own: epoll and
@@ -263,9 +287,12 @@ class SourceWaits:
         """The sources owning ``sockets`` (readable ones among :meth:`sockets`), plus the
         pending ones."""
         ready = dict(self._pending)
+        watched = self._watched
         for sock in sockets:
             src = self._owner.get(id(sock))
             if src is not None:
+                if id(sock) in watched:
+                    src.signalled(sock)  # type: ignore[attr-defined]
                 ready.setdefault(id(src), src)
         return list(ready.values())
 
