@@ -135,7 +135,10 @@ class LiveLink:
         """Whether a waiter reports when the monitor's descriptor signals (by
         :meth:`monitor_signalled`): :meth:`connection_events` then reads the monitor only
         after such a report, not at every call."""
-        self._monitor_due = True
+        self.monitor_due = self.monitor is not None
+        """Whether :meth:`connection_events` would read the monitor: always, unless
+        :attr:`monitor_watched` and not signalled since the last read (False without a
+        monitor)."""
         try:
             if is_wildcard_endpoint(endpoint):
                 sock.bind(endpoint)
@@ -162,9 +165,9 @@ class LiveLink:
         if self.monitor is None:
             return out
         if self.monitor_watched:
-            if not self._monitor_due:
+            if not self.monitor_due:
                 return out
-            self._monitor_due = False  # (drained below until empty)
+            self.monitor_due = False  # (drained below until empty)
         for event in drain_monitor_events(self.monitor):
             if event == zmq.EVENT_CONNECT_RETRIED:
                 self.redial_at = None  # libzmq reconnects by itself
@@ -180,7 +183,8 @@ class LiveLink:
     def monitor_signalled(self) -> None:
         """The monitor's descriptor signalled (or it was found with input): the next
         :meth:`connection_events` reads it, when :attr:`monitor_watched`."""
-        self._monitor_due = True
+        if self.monitor is not None:
+            self.monitor_due = True
 
     def maintain(self, now: float) -> None:
         """Dial again once :attr:`redial_at` is due (``now`` is ``time.monotonic()``):
@@ -208,6 +212,7 @@ class LiveLink:
             self.sock.disable_monitor()
             self.monitor.close(0)
             self.monitor = None
+            self.monitor_due = False
         self.sock.close(0)
 
 
@@ -379,7 +384,8 @@ class ZmqSource:
             return []
         now = time.time()
         # Connection events first: a reconnect must be known before what it delivered.
-        out = self._link.connection_events(now)
+        link = self._link
+        out = link.connection_events(now) if link.monitor_due else []
         # recv_multipart's own loop, without its per-frame getsockopt(RCVMORE) (which
         # builds a SocketOption enum each time): a Frame carries ``more`` already, and
         # ``.bytes`` is the one copy that recv_multipart makes too (about 3.5 against

@@ -260,7 +260,9 @@ class SubscriberCore:
 
     def finished(self) -> bool:
         """Every source is exhausted (capture files read to the end) and nothing is left."""
-        return all(s.exhausted for s in self._sources) and self._inband.idle and not self._out
+        if self._out or not self._inband.idle:
+            return False
+        return all(s.exhausted for s in self._sources)
 
     def receiving(
         self, timeout_s: float | None
@@ -342,17 +344,17 @@ class SubscriberCore:
         for src in sources:
             replays.new_read()
             msgs = src.receive(batch)
+            # Read once per read, not per message: a source's replay kind and name do
+            # not change.
+            inband = src.replay_inband
             if msgs:
-                # Read once per read, not per message: a source's name and its replay
-                # kind do not change.
                 name = src.name
-                inband = src.replay_inband
                 for msg in msgs:
                     if msg.kind == LIVE:
                         live(src, name, inband, msg, now)
                     else:
                         process(src, msg, now)
-            if src.exhausted and src.replay_inband:
+            if inband and src.exhausted:
                 self._inband.end(src, everything=True)
         replays.check_deadlines(now)
         self._liveness.check(now)

@@ -161,8 +161,12 @@ class SourceWaits:
         for src in sources:
             key = id(src)
             if read and getattr(src, "read_settled", False):
-                pending.pop(key, None)
-                self._note_redial(key, src)
+                if pending:
+                    pending.pop(key, None)
+                if getattr(src, "redial_at", None) is not None:
+                    self._redialing[key] = src
+                elif self._redialing:
+                    self._redialing.pop(key, None)
                 continue
             old = self._regs.get(key, [])
             socks = src.sockets()
@@ -251,11 +255,18 @@ class SourceWaits:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
         owner = self._fd_owner
         # (a wait is rounded up to whole milliseconds; None: no limit)
-        fired = [fd for fd, _ in self._poll.poll(timeout, max(len(owner), 1))]
-        if not fired:
+        events = self._poll.poll(timeout, max(len(owner), 1))
+        if not events:
             return list(pending.values())
+        if len(events) == 1 and not pending:  # the usual wake-up: one descriptor
+            entry = owner.get(events[0][0])
+            if entry is None:
+                return []
+            if entry[2]:
+                entry[1].signalled(entry[0])  # type: ignore[attr-defined]
+            return [entry[1]]
         ready = dict(pending)
-        for fd in fired:
+        for fd, _ in events:
             entry = owner.get(fd)
             if entry is not None:
                 src = entry[1]
