@@ -335,7 +335,10 @@ class SubscriberCore:
 
     def step(self, ready: Iterable[Source] | None, now: float) -> None:
         """Read what the ``ready`` sources have (None: every source), process it, then
-        enforce replay deadlines and liveness.  ``now`` is ``time.monotonic()``."""
+        enforce replay deadlines and liveness.  ``ready`` is what :meth:`select` or
+        :meth:`ready_sources` returned: they also note which connection monitors
+        signalled, and a source's monitor is read only then (or with None).  ``now`` is
+        ``time.monotonic()``."""
         replays = self._replays
         batch = self._batch
         live = self._live
