@@ -51,7 +51,9 @@ weights = st.sampled_from(
     st.none()
     | st.dictionaries(
         st.tuples(st.sampled_from(["x", "z"]), st.integers(0, 3)),
-        st.sampled_from([0, 0.0, 1, 2.5, 16, 64, 100.0, -3.0, 1e-13, float("inf")]),
+        st.sampled_from(
+            [0, 0.0, 1, 2.5, 16, 64, 100.0, -3.0, 1e-13, float("inf"), float("-inf"), float("nan")]
+        ),
         max_size=6,
     ),
     st.booleans(),
@@ -76,7 +78,9 @@ def test_select_is_the_first_of_score(
         loads = dict(extra_loads)
         for wid in index.workers():  # loads for some of the index's workers
             if data.draw(st.booleans()):
-                loads[wid] = data.draw(st.sampled_from([0, 1, 2.0, 16, 0.5, -1.0, 1e-13]))
+                loads[wid] = data.draw(
+                    st.sampled_from([0, 1, 2.0, 16, 0.5, -1.0, 1e-13, float("nan"), float("-inf")])
+                )
     for step in range(2):
         ranked = router.score(prompt, loads)
         if not ranked:

@@ -190,19 +190,21 @@ def _unmatched_bound(n: int, loads: Mapping[WorkerId, float] | None, lw: float) 
     """A cost no candidate can go below without a match: the least of ``n - 0.0 + lw *
     load`` over the loads and over load 0.0 (a worker without one), for ``lw >= 0`` (the
     cost then grows with the load).  None when that is not known cheaply: a negative
-    ``lw``, or a NaN cost among the loads (where comparisons do not order)."""
+    ``lw``, or a NaN bound.
+
+    One C pass (``min``): a NaN load compares false both ways, so ``min`` skips it
+    unless it comes first (then the bound is NaN); its worker's cost is NaN, which
+    ranks as +inf and cannot go below the bound.  An infinite load with ``lw`` 0 gives a
+    NaN cost too, ranked the same; the least load -inf gives a bound of -inf (or NaN
+    with ``lw`` 0), which nothing is below."""
     if lw < 0:
         return None
     zero_load = n - 0.0 + lw * 0.0
     if not loads:
         return zero_load
     try:
-        values = loads.values()
-        weighted = lw * sum(values)
-        if weighted != weighted:  # a NaN load (or +inf with -inf; an inf one with lw 0)
-            return None
-        bound = min(n - 0.0 + lw * float(min(values)), zero_load)
-    except TypeError:  # loads of a type min or sum cannot take: the general path
+        bound = min(n - 0.0 + lw * float(min(loads.values())), zero_load)
+    except TypeError:  # loads of a type min cannot take: the general path
         return None
     return None if bound != bound else bound
 
