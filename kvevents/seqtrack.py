@@ -479,6 +479,12 @@ class StreamTracker(Generic[T]):
         if past.is_lost(seq):
             return [Drop(seq, "late")]
         if past.seen(seq, fingerprint):
+            if seq > self._front:
+                # Never seen live: a replay delivered it first (a catch-up can answer
+                # with batches whose live copies are still on their way), so this live
+                # copy is the expected overlap, not a second send.
+                self._front = seq
+                return [Drop(seq, "replay_overlap")]
             return [Report(DUPLICATE, seq, seq, "already delivered; dropped")]
         known = past.known(seq)
         return self._suspect(

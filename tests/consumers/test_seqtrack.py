@@ -244,6 +244,24 @@ def test_catch_up_before_any_live_batch_and_an_empty_ring():
     assert kinds(empty.replay_end(1)) == ["history_missed:0-4", "D5"]
 
 
+def test_a_live_copy_arriving_after_its_replay_is_an_overlap_not_a_duplicate():
+    # A catch-up replay can deliver batches whose live copies are still on their way
+    # (the ring holds a batch as soon as it is published, and the two connections are
+    # read in whatever order they arrive): the live copy is the expected overlap.
+    t: StreamTracker[Item] = StreamTracker()
+    assert kinds([t.catch_up()]) == ["replay@0#1"]
+    assert rep(t, 1, 0) == ["D0r"]
+    assert rep(t, 1, 1) == ["D1r"]
+    assert kinds(t.replay_end(1)) == []
+    assert live(t, 0) == ["drop:replay_overlap"]
+    assert live(t, 0) == [f"{DUPLICATE}:0-0"]  # now seen live: a second send
+    assert live(t, 1) == ["drop:replay_overlap"]
+    assert live(t, 2) == ["D2"]
+    # A batch the live path delivered, sent again, is a duplicate.
+    assert live(t, 2) == [f"{DUPLICATE}:2-2"]
+    assert live(t, 1) == [f"{DUPLICATE}:1-1"]
+
+
 def test_probe_delivers_what_the_quiet_live_path_lost_and_checks_identity():
     t: StreamTracker[Item] = StreamTracker()
     for s in range(3):
