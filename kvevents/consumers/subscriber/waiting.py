@@ -163,10 +163,7 @@ class SourceWaits:
             if read and getattr(src, "read_settled", False):
                 if pending:
                     pending.pop(key, None)
-                if getattr(src, "redial_at", None) is not None:
-                    self._redialing[key] = src
-                elif self._redialing:
-                    self._redialing.pop(key, None)
+                self._note_redial(key, src)
                 continue
             old = self._regs.get(key, [])
             socks = src.sockets()
@@ -191,7 +188,7 @@ class SourceWaits:
     def _note_redial(self, key: int, src: Source) -> None:
         if getattr(src, "redial_at", None) is not None:
             self._redialing[key] = src
-        else:
+        elif self._redialing:
             self._redialing.pop(key, None)
 
     def _register(self, src: Source, old: list[_Reg], socks: Sequence[Any]) -> list[_Reg]:
