@@ -260,9 +260,7 @@ class SubscriberCore:
 
     def finished(self) -> bool:
         """Every source is exhausted (capture files read to the end) and nothing is left."""
-        if self._out or not self._inband.idle:
-            return False
-        return all(s.exhausted for s in self._sources)
+        return all(s.exhausted for s in self._sources) and self._inband.idle and not self._out
 
     def receiving(
         self, timeout_s: float | None

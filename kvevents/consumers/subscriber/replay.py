@@ -82,8 +82,7 @@ class ReplayScheduler:
     def new_read(self) -> None:
         """A new read of one source begins (replies of a DEALER closed during the
         previous read are stale no more: they cannot be read again)."""
-        if self._cut_channels:
-            self._cut_channels.clear()
+        self._cut_channels.clear()
 
     def next_deadline_s(self, now: float) -> float | None:
         """Seconds until the next request deadline (may be negative), None if none."""
@@ -214,10 +213,8 @@ class ReplayScheduler:
         """Time out the requests past their deadline: a request in flight closes its
         channel for ``replay_cooldown_s`` and fails every request queued on it; a queued
         one that could not start in time fails alone."""
-        queues = self.queues
-        if not queues:
-            return
         expired = False
+        queues = self.queues
         for ck, queue in list(queues.items()):
             if not queue:
                 # Forget idle channels, so that this pass (once a step) and the next

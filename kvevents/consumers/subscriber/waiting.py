@@ -137,8 +137,8 @@ class SourceWaits:
         self._regs: dict[int, list[_Reg]] = {}  # id(source) -> its registered sockets
         # descriptor -> (socket, source, whether the source is told when it signals)
         self._fd_owner: dict[int, tuple[Any, Source, bool]] = {}
-        self._owner: dict[int, Source] = {}  # id(socket) -> its source
-        self._watched: dict[int, tuple[Any, Source]] = {}  # id(socket) -> (socket, source)
+        # id(socket) -> (its source, whether the source is told when it signals)
+        self._owner: dict[int, tuple[Source, bool]] = {}
         self._pending: dict[int, Source] = {}
         self._redialing: dict[int, Source] = {}
         self._always_maintained = [
@@ -161,8 +161,7 @@ class SourceWaits:
         for src in sources:
             key = id(src)
             if read and getattr(src, "read_settled", False):
-                if pending:
-                    pending.pop(key, None)
+                pending.pop(key, None)
                 self._note_redial(key, src)
                 continue
             old = self._regs.get(key, [])
@@ -188,7 +187,7 @@ class SourceWaits:
     def _note_redial(self, key: int, src: Source) -> None:
         if getattr(src, "redial_at", None) is not None:
             self._redialing[key] = src
-        elif self._redialing:
+        else:
             self._redialing.pop(key, None)
 
     def _register(self, src: Source, old: list[_Reg], socks: Sequence[Any]) -> list[_Reg]:
@@ -199,7 +198,6 @@ class SourceWaits:
         for sock, fd, _, _ in old:
             if not any(_same(sock, s) for s in socks):
                 self._owner.pop(id(sock), None)
-                self._watched.pop(id(sock), None)
                 # (the descriptor may already serve a socket another source opened since)
                 owner = self._fd_owner.get(fd)
                 if owner is not None and owner[1] is src and _same(owner[0], sock):
@@ -210,9 +208,7 @@ class SourceWaits:
             if reg is None:
                 reg = self._add(sock, src, any(_same(sock, w) for w in watched))
             regs.append(reg)
-            self._owner[id(sock)] = src
-            if reg[3]:
-                self._watched[id(sock)] = (sock, src)
+            self._owner[id(sock)] = (src, reg[3])
         self._regs[id(src)] = regs
         return regs
 
@@ -275,8 +271,10 @@ class SourceWaits:
     def everything(self) -> list[Source]:
         """Every source, for a read of all of them: each is told that its watched
         sockets signalled."""
-        for sock, src in self._watched.values():
-            src.signalled(sock)  # type: ignore[attr-defined]
+        for src in self.sources:
+            for sock, _, _, watched in self._regs.get(id(src), ()):
+                if watched:
+                    src.signalled(sock)  # type: ignore[attr-defined]
         return list(self.sources)
 
     def fileno(self) -> int | None:
@@ -295,11 +293,11 @@ class SourceWaits:
         """The sources owning ``sockets`` (readable ones among :meth:`sockets`), plus the
         pending ones."""
         ready = dict(self._pending)
-        watched = self._watched
         for sock in sockets:
-            src = self._owner.get(id(sock))
-            if src is not None:
-                if id(sock) in watched:
+            entry = self._owner.get(id(sock))
+            if entry is not None:
+                src, watched = entry
+                if watched:
                     src.signalled(sock)  # type: ignore[attr-defined]
                 ready.setdefault(id(src), src)
         return list(ready.values())
