@@ -234,7 +234,10 @@ class StreamTracker(Generic[T]):
         self._quiet = False
         if seq > self._front:
             self._front = seq
-        self._advance(seq, fingerprint)
+        # (_advance, inline: this runs once per batch)
+        self.last = seq
+        self._next = seq + 1
+        self._ring[seq % self._history] = (seq, fingerprint)
         return True
 
     def live(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:

@@ -8,8 +8,9 @@ One job: the protocol every source implements (:mod:`kvevents.consumers.zmq_sour
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+import msgspec
 
 __all__ = [
     "BAD_FRAME",
@@ -32,8 +33,7 @@ DISCONNECTED = "disconnected"
 REPLAY_DISCONNECTED = "replay_disconnected"
 
 
-@dataclass(slots=True)
-class SourceMessage:
+class SourceMessage(msgspec.Struct, gc=False):
     """One raw message from a source.
 
     ``kind`` is :data:`LIVE`, :data:`REPLAY`, :data:`REPLAY_END`, :data:`BAD_FRAME`, or a

@@ -65,6 +65,14 @@ __all__ = ["SubscriberCore"]
 logger = logging.getLogger("kvevents.consumers.subscriber")
 
 
+_NEVER = float("inf")
+
+
+def _earlier(wait: float | None, w: float | None) -> float | None:
+    """The shorter of two waits in seconds (None: no limit)."""
+    return wait if w is None or (wait is not None and wait <= w) else w
+
+
 class SubscriberCore:
     """The subscriber's engine without a way to wait: decoding, seq tracking, replay
     scheduling, liveness.  :class:`~kvevents.consumers.subscriber.Subscriber` (blocking)
@@ -260,7 +268,10 @@ class SubscriberCore:
 
     def finished(self) -> bool:
         """Every source is exhausted (capture files read to the end) and nothing is left."""
-        return all(s.exhausted for s in self._sources) and self._inband.idle and not self._out
+        for src in self._sources:  # (a loop, not all() over a generator: once a wake-up)
+            if not src.exhausted:
+                return False
+        return self._inband.idle and not self._out
 
     def receiving(
         self, timeout_s: float | None
@@ -271,12 +282,14 @@ class SubscriberCore:
 
         Until then it yields how long to wait (seconds; None: until input; 0.0: do not
         wait, just let others run) and is sent the sources with input after that wait:
-        :meth:`select`'s answer."""
+        :meth:`select`'s answer.  Call it when :meth:`take` found nothing.  The
+        asyncio subscriber drives it; :meth:`Subscriber.receive` runs the same loop
+        inline (keep the two alike)."""
+        out = self._out
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            item = self.take()
-            if item is not None:
-                return item
+            if out:
+                return out.popleft()
             if self._closed or self.finished():
                 return None
             now = time.monotonic()
@@ -317,13 +330,14 @@ class SubscriberCore:
         if waits.pending:
             return 0.0
         wait = None if deadline is None else deadline - now
-        for w in (
-            self._replays.next_deadline_s(now),
-            waits.next_redial_s(now),
-            self._liveness.next_check_s(now),
-        ):
-            if w is not None and (wait is None or w < wait):
-                wait = w
+        # (each timer is asked only when it has something timed: once a wake-up)
+        if self._replays.queues:
+            wait = _earlier(wait, self._replays.next_deadline_s(now))
+        if waits.redialing:
+            wait = _earlier(wait, waits.next_redial_s(now))
+        check_at = self._liveness.check_at
+        if check_at != _NEVER:
+            wait = _earlier(wait, check_at - now)
         return None if wait is None else max(0.0, wait)
 
     def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:
@@ -343,7 +357,8 @@ class SubscriberCore:
         process = self._process
         sources = self._waits.everything() if ready is None else list(ready)
         for src in sources:
-            replays.new_read()
+            if replays.cut_channels:
+                replays.new_read()
             msgs = src.receive(batch)
             # Read once per read, not per message: a source's replay kind and name do
             # not change.
@@ -357,8 +372,12 @@ class SubscriberCore:
                         process(src, msg, now)
             if inband and src.exhausted:
                 self._inband.end(src, everything=True)
-        replays.check_deadlines(now)
-        self._liveness.check(now)
+        # (each timed duty is called only when it may have something due)
+        if replays.queues:
+            replays.check_deadlines(now)
+        liveness = self._liveness
+        if now >= liveness.check_at:
+            liveness.check(now)
         waits = self._waits
         maintained = waits.to_maintain()
         for src in maintained:

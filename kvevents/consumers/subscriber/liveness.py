@@ -40,12 +40,13 @@ class Liveness:
         self.outbox = outbox
         self.stale_after_s = stale_after_s
         self.probe = probe
-        # No stream is due for a probe or a stale report before this (monotonic
-        # seconds): the earliest due time the last scan found.  Between scans a
-        # stream's due times only move later (``heard`` only grows), and a new stream
-        # is first due a third of ``stale_after_s`` after it starts, never before the
-        # next scan; so a wake-up before it skips the scan, which costs O(streams).
-        self._scan_at = float("-inf")
+        self.check_at = float("-inf") if stale_after_s is not None else float("inf")
+        """No stream is due for a probe or a stale report before this (monotonic
+        seconds; +inf when ``stale_after_s`` is None): the earliest due time the last
+        scan found.  Between scans a stream's due times only move later (``heard`` only
+        grows), and a new stream is first due a third of ``stale_after_s`` after it
+        starts, never before the next scan; so a wake-up before it skips :meth:`check`,
+        which costs O(streams)."""
 
     def heard(self, st: Stream, now: float, *, live: bool = False) -> None:
         """``st`` was heard from at ``now`` (``live``: a live batch); a stale stream is
@@ -79,14 +80,14 @@ class Liveness:
         scan, a third of ``stale_after_s`` after the last one."""
         if self.stale_after_s is None:
             return None
-        return self._scan_at - now
+        return self.check_at - now
 
     def check(self, now: float) -> None:
         """Probe the streams silent for a third of ``stale_after_s`` and report the ones
         silent for all of it.  A call before the earliest due time the last call found
         returns at once."""
         stale_after = self.stale_after_s
-        if stale_after is None or now < self._scan_at:
+        if stale_after is None or now < self.check_at:
             return
         third = stale_after / 3
         outbox = self.outbox
@@ -112,4 +113,4 @@ class Liveness:
                 due = min(due, st.heard + stale_after)
             if due < scan_at:
                 scan_at = due
-        self._scan_at = scan_at
+        self.check_at = scan_at

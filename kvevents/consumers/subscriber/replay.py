@@ -73,7 +73,8 @@ class ReplayScheduler:
         self.in_flight = 0
         """Requests sent and not finished."""
         self._cooldown_until: dict[ChannelKey, float] = {}
-        self._cut_channels: set[ChannelKey] = set()
+        self.cut_channels: set[ChannelKey] = set()
+        """The channels closed during the current read (:meth:`new_read` empties it)."""
         self._by_name = {src.name: src for src in sources}
         self.touched: list[Source] = []
         """Sources asked for a replay or told to drop one since the caller last cleared
@@ -82,7 +83,7 @@ class ReplayScheduler:
     def new_read(self) -> None:
         """A new read of one source begins (replies of a DEALER closed during the
         previous read are stale no more: they cannot be read again)."""
-        self._cut_channels.clear()
+        self.cut_channels.clear()
 
     def next_deadline_s(self, now: float) -> float | None:
         """Seconds until the next request deadline (may be negative), None if none."""
@@ -148,7 +149,7 @@ class ReplayScheduler:
         """The request in flight on channel ``ck`` whose replies are being read, None when
         there is none (or its DEALER was closed during this read: what was read from it
         answers nothing now)."""
-        if ck in self._cut_channels:
+        if ck in self.cut_channels:
             return None
         queue = self.queues.get(ck)
         return queue[0] if queue and queue[0].sent else None
@@ -304,7 +305,7 @@ class ReplayScheduler:
         """Close ``ck``'s DEALER; replies of it already read in this batch are stale."""
         cancel_replay(src, topic)
         self.touched.append(src)
-        self._cut_channels.add(ck)
+        self.cut_channels.add(ck)
 
     def abandon(self, ck: ChannelKey, detail: str) -> None:
         """Drop the replay in flight on ``ck`` (its DEALER is closed: no reply to it can

@@ -140,7 +140,8 @@ class SourceWaits:
         # id(socket) -> (its source, whether the source is told when it signals)
         self._owner: dict[int, tuple[Source, bool]] = {}
         self._pending: dict[int, Source] = {}
-        self._redialing: dict[int, Source] = {}
+        self.redialing: dict[int, Source] = {}
+        """The sources waiting to dial again, by id (read only: :meth:`settle` keeps it)."""
         self._always_maintained = [
             src
             for src in sources
@@ -161,7 +162,8 @@ class SourceWaits:
         for src in sources:
             key = id(src)
             if read and getattr(src, "read_settled", False):
-                pending.pop(key, None)
+                if pending:
+                    pending.pop(key, None)
                 self._note_redial(key, src)
                 continue
             old = self._regs.get(key, [])
@@ -186,9 +188,9 @@ class SourceWaits:
 
     def _note_redial(self, key: int, src: Source) -> None:
         if getattr(src, "redial_at", None) is not None:
-            self._redialing[key] = src
+            self.redialing[key] = src
         else:
-            self._redialing.pop(key, None)
+            self.redialing.pop(key, None)
 
     def _register(self, src: Source, old: list[_Reg], socks: Sequence[Any]) -> list[_Reg]:
         self._socket_list = None
@@ -248,7 +250,7 @@ class SourceWaits:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
         owner = self._fd_owner
         # (a wait is rounded up to whole milliseconds; None: no limit)
-        events = self._poll.poll(timeout, max(len(owner), 1))
+        events = self._poll.poll(timeout, len(owner) or 1)
         if not events:
             return list(pending.values())
         if len(events) == 1 and not pending:  # the usual wake-up: one descriptor
@@ -306,11 +308,11 @@ class SourceWaits:
     def next_redial_s(self, now: float) -> float | None:
         """Seconds until a source next wants to dial again (its ``redial_at``, monotonic
         seconds; may be negative), None if none does."""
-        if not self._redialing:
+        if not self.redialing:
             return None
         due = [
             t
-            for t in (getattr(src, "redial_at", None) for src in self._redialing.values())
+            for t in (getattr(src, "redial_at", None) for src in self.redialing.values())
             if t is not None
         ]
         return min(due) - now if due else None
@@ -318,9 +320,9 @@ class SourceWaits:
     def to_maintain(self) -> list[Source]:
         """The sources whose ``maintain(now)`` is due a call: those waiting to dial
         again and those maintained at every step.  Settle them afterwards."""
-        if not self._redialing:
+        if not self.redialing:
             return self._always_maintained
-        return [*self._always_maintained, *self._redialing.values()]
+        return [*self._always_maintained, *self.redialing.values()]
 
     def close(self) -> None:
         """Release the selector (the sockets are the sources' to close)."""
