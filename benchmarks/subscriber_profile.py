@@ -14,7 +14,12 @@ that traffic round robin over N publishers, one endpoint each, which the subscri
 follows as N sources: a fleet, where a wait must not cost more with each engine.
 ``--warm`` times one wake-up with warm caches instead: an inproc PUB in this process
 sends one batch, then one ``receive`` takes it, against a bare ``zmq.Poller`` loop over
-the same sends (the per-wake-up Python, without the sleep between batches).  To
+the same sends (the per-wake-up Python, without the sleep between batches).
+``--opcodes`` counts, instead of timing, the Python opcodes and calls that one such
+warm wake-up runs, ours and the bare loop's: deterministic where timings are noisy.
+``--wakeups N [--loop ours|bare]`` runs N warm wake-ups untimed, for
+``valgrind --tool=cachegrind --cache-sim=no``: the difference of the instruction counts
+of two values of N, divided by their difference, is the instructions per wake-up.  To
 compare two checkouts, run this script under each one's ``PYTHONPATH`` alternately.
 
 Prints a table and a last JSON line (the subscriber against the bare loop, measured in
@@ -199,42 +204,76 @@ def run_raw(
     return cpu / n * 1e6
 
 
+class _WarmPair:
+    """Two inproc PUBs in this process: the ``ours`` one feeds a :class:`Subscriber`,
+    the ``bare`` one a SUB under a :class:`zmq.Poller` (the bare loop)."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.pubs = []
+        for name in ("ours", "bare"):
+            pub = self.ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, 0)
+            pub.bind(f"inproc://warm-{name}")
+            self.pubs.append(pub)
+        self.data = payloads()
+        self.sub = Subscriber(
+            "inproc://warm-ours", rcvhwm=0, catch_up=False, stale_after_s=None, context=self.ctx
+        )
+        self.raw = self.ctx.socket(zmq.SUB)
+        self.raw.setsockopt(zmq.RCVHWM, 0)
+        self.raw.setsockopt(zmq.SUBSCRIBE, b"")
+        self.raw.connect("inproc://warm-bare")
+        self.poller = zmq.Poller()
+        self.poller.register(self.raw, zmq.POLLIN)
+
+    def send(self, loop: str, seq: int) -> None:
+        """One batch to ``loop`` (``ours`` or ``bare``)."""
+        pub = self.pubs[0 if loop == "ours" else 1]
+        pub.send_multipart(pack_live(TOPIC, seq, self.data[seq % len(self.data)]))
+
+    def take(self, loop: str) -> None:
+        """Take what was sent to ``loop``, as the timed loops of :func:`run_warm` do."""
+        if loop == "ours":
+            if not isinstance(self.sub.receive(5), ReceivedBatch):
+                raise RuntimeError("the subscriber missed a batch")
+            return
+        for sock, _ in self.poller.poll(5000):
+            while True:
+                try:
+                    sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+
+    def close(self) -> None:
+        self.sub.close()
+        self.raw.close(0)
+        for pub in self.pubs:
+            pub.close(0)
+        self.ctx.term()
+
+
 def run_warm(n: int, rounds: int) -> tuple[list[float], list[float]]:
     """CPU us per batch of one wake-up with warm caches: an inproc PUB in this process
     sends one batch, then ``Subscriber.receive`` takes it (ours), or a ``zmq.Poller``
     loop polls and drains its own SUB (the bare loop, fed by a second PUB); both include
     the send.  ``rounds`` alternated rounds of ``n`` batches each; the per-round
     figures of each."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pubs = []
-    for name in ("ours", "bare"):
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)
-        pub.bind(f"inproc://warm-{name}")
-        pubs.append(pub)
-    data = payloads()
-    sub = Subscriber(
-        "inproc://warm-ours", rcvhwm=0, catch_up=False, stale_after_s=None, context=ctx
-    )
-    raw = ctx.socket(zmq.SUB)
-    raw.setsockopt(zmq.RCVHWM, 0)
-    raw.setsockopt(zmq.SUBSCRIBE, b"")
-    raw.connect("inproc://warm-bare")
-    poller = zmq.Poller()
-    poller.register(raw, zmq.POLLIN)
+    pair = _WarmPair()
+    sub, poller, data = pair.sub, pair.poller, pair.data
     seq = 0
     ours: list[float] = []
     bare: list[float] = []
     try:
         for _ in range(rounds):
-            send = pubs[0].send_multipart
+            send = pair.pubs[0].send_multipart
             t0 = time.thread_time()
             for i in range(n):
                 send(pack_live(TOPIC, seq + i, data[i % len(data)]))
                 if not isinstance(sub.receive(5), ReceivedBatch):
                     raise RuntimeError("the subscriber missed a batch")
             ours.append((time.thread_time() - t0) / n * 1e6)
-            send = pubs[1].send_multipart
+            send = pair.pubs[1].send_multipart
             t0 = time.thread_time()
             for i in range(n):
                 send(pack_live(TOPIC, seq + i, data[i % len(data)]))
@@ -247,12 +286,58 @@ def run_warm(n: int, rounds: int) -> tuple[list[float], list[float]]:
             bare.append((time.thread_time() - t0) / n * 1e6)
             seq += n
     finally:
-        sub.close()
-        raw.close(0)
-        for pub in pubs:
-            pub.close(0)
-        ctx.term()
+        pair.close()
     return ours, bare
+
+
+def count_opcodes(n: int) -> dict[str, tuple[float, float]]:
+    """Python opcodes and Python-level calls per warm wake-up (the take, not the send),
+    for each loop: ``{loop: (opcodes, calls)}``, averaged over ``n`` wake-ups after
+    ``n`` untraced ones.  Deterministic, unlike a timing: how much interpreter work a
+    wake-up runs (``sys.settrace`` with ``f_trace_opcodes``)."""
+    pair = _WarmPair()
+    counts = {"opcodes": 0, "calls": 0}
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            counts["calls"] += 1
+        elif event == "opcode":
+            counts["opcodes"] += 1
+        return tracer
+
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        for loop in ("ours", "bare"):
+            for seq in range(n):
+                pair.send(loop, seq)
+                pair.take(loop)
+            counts.update(opcodes=0, calls=0)
+            for seq in range(n, 2 * n):
+                pair.send(loop, seq)
+                sys.settrace(tracer)
+                try:
+                    pair.take(loop)
+                finally:
+                    sys.settrace(None)
+            # (the tracer also saw take's own call and body: counted for both loops)
+            out[loop] = (counts["opcodes"] / n, counts["calls"] / n)
+    finally:
+        pair.close()
+    return out
+
+
+def run_wakeups(n: int, loop: str) -> None:
+    """``n`` warm wake-ups of ``loop`` after 200 untimed ones, nothing measured: for a
+    run under ``valgrind --tool=cachegrind``, whose instruction count at two values of
+    ``n`` gives the instructions per wake-up (send included)."""
+    pair = _WarmPair()
+    try:
+        for seq in range(200 + n):
+            pair.send(loop, seq)
+            pair.take(loop)
+    finally:
+        pair.close()
 
 
 def main() -> None:
@@ -281,10 +366,40 @@ def main() -> None:
         help="one wake-up with warm caches: an inproc PUB in this process sends one batch, "
         "then one receive (7 alternated rounds of 20,000 batches)",
     )
+    p.add_argument(
+        "--opcodes",
+        action="store_true",
+        help="count the Python opcodes and calls of one warm wake-up, ours and the bare loop",
+    )
+    p.add_argument(
+        "--wakeups",
+        type=int,
+        metavar="N",
+        help="run N warm wake-ups of --loop untimed (for valgrind's instruction count)",
+    )
+    p.add_argument("--loop", choices=("ours", "bare"), default="ours")
     a = p.parse_args()
     batches, repeat = (3_000, 1) if a.quick else (a.batches, a.repeat)
     if a.engines > 1 and a.paced is None:
         p.error("--engines needs --paced")
+    if a.wakeups is not None:
+        run_wakeups(a.wakeups, a.loop)
+        return
+    if a.opcodes:
+        counted = count_opcodes(200 if a.quick else 2_000)
+        report(
+            "subscriber_profile",
+            [
+                result(
+                    f"one wake-up, warm: Python {what} (vs a bare Poller loop)",
+                    counted["ours"][i],
+                    what,
+                    counted["bare"][i],
+                )
+                for i, what in enumerate(("opcodes", "calls"))
+            ],
+        )
+        return
     if a.warm:
         ours, bare = run_warm(3_000, 2) if a.quick else run_warm(20_000, 7)
         report(

@@ -243,6 +243,9 @@ class ZmqSource:
     DEALER CURVE clients of a publisher that requires authentication (off by default).
     """
 
+    replay_inband = False
+    """Replays come through replay endpoints, not as recorded live messages."""
+
     def __init__(
         self,
         endpoint: str,
@@ -274,7 +277,8 @@ class ZmqSource:
                 raise ConfigError(f"not a ZMQ replay endpoint: {rep!r}")
         if max_message_size_bytes is not None and max_message_size_bytes < 0:
             raise ConfigError(f"max_message_size_bytes must be >= 0, got {max_message_size_bytes}")
-        self._name = name or endpoint
+        self.name = name or endpoint
+        """The source's name: ``name``, else ``endpoint`` (read only)."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.max_message_size_bytes: int = max_message_size_bytes or -1
@@ -286,7 +290,7 @@ class ZmqSource:
             self._ctx,
             endpoint,
             topic,
-            name=self._name,
+            name=self.name,
             rcvhwm=rcvhwm,
             max_message_size_bytes=self.max_message_size_bytes,
             monitor=monitor,
@@ -298,7 +302,8 @@ class ZmqSource:
         """The address the SUB bound (the real port for ``:0``); None when it connects."""
         # channel (replay endpoint) -> (DEALER, its monitor or None, topic for legacy replies)
         self._dealers: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, bytes]] = {}
-        self._closed = False
+        self.exhausted = False
+        """True once :meth:`close` ran (read only): a live source has no end."""
         self.read_settled = False
         """Whether the last :meth:`receive` left every socket of this source with its
         events read and nothing to read: each was read until empty (a receive that raised
@@ -306,10 +311,6 @@ class ZmqSource:
         budget (a read opens and closes no socket).  A waiter may then skip asking them
         again (see
         :class:`~kvevents.consumers.subscriber.waiting.SourceWaits`)."""
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     @property
     def redial_at(self) -> float | None:
@@ -331,14 +332,6 @@ class ZmqSource:
         """Whether connection events (:data:`CONNECTED`, ...) are reported."""
         return self._want_monitor
 
-    @property
-    def replay_inband(self) -> bool:
-        return False
-
-    @property
-    def exhausted(self) -> bool:
-        return self._closed
-
     def replay_channel(self, topic: bytes = b"") -> str | None:
         """The replay endpoint that serves ``topic`` (None: no replay for it)."""
         return self._by_topic.get(topic, self.replay_endpoint)
@@ -351,7 +344,7 @@ class ZmqSource:
         return out
 
     def sockets(self) -> Sequence[Any]:
-        if self._closed:
+        if self.exhausted:
             return []
         out = self._link.sockets()
         for dealer, mon, _ in self._dealers.values():
@@ -367,7 +360,7 @@ class ZmqSource:
         A caller of this promises to call :meth:`signalled` whenever the monitor's
         descriptor signals or the monitor is found with input, before the next read."""
         mon = self._link.monitor
-        if mon is None or self._closed:
+        if mon is None or self.exhausted:
             return []
         self._link.monitor_watched = True
         return [mon]
@@ -380,7 +373,7 @@ class ZmqSource:
 
     def receive(self, limit: int) -> list[SourceMessage]:
         self.read_settled = False
-        if self._closed:
+        if self.exhausted:
             return []
         now = time.time()
         # Connection events first: a reconnect must be known before what it delivered.
@@ -464,7 +457,7 @@ class ZmqSource:
     def request_replay(self, start: int, topic: bytes = b"") -> None:
         channel = self.replay_channel(topic)
         if channel is None:
-            raise ConfigError(f"{self._name}: no replay endpoint for topic {topic!r}")
+            raise ConfigError(f"{self.name}: no replay endpoint for topic {topic!r}")
         entry = self._dealers.get(channel)
         if entry is None:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
@@ -487,7 +480,7 @@ class ZmqSource:
         except zmq.Again:
             # Not connected yet and nothing queued: the request is lost; the caller's
             # timeout reports it.
-            logger.debug("%s: replay request not queued (endpoint unreachable)", self._name)
+            logger.debug("%s: replay request not queued (endpoint unreachable)", self.name)
 
     def cancel_replay(self, topic: bytes | None = None) -> None:
         """Close the DEALER of ``topic``'s channel (None: every channel)."""
@@ -502,8 +495,8 @@ class ZmqSource:
                 dealer.close(0)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
+        if not self.exhausted:
+            self.exhausted = True
             self.cancel_replay()
             self._link.close()
 

@@ -77,7 +77,7 @@ class Subscriber(SubscriberCore):
 
         This is :meth:`~SubscriberCore.receiving`'s loop with the wait in place of its
         yields: driving the generator (a ``send`` and a ``StopIteration`` a wake-up) cost
-        about 5 % of a wake-up (docs/benchmarks.md)."""
+        about 3 % of a wake-up's instructions (docs/benchmarks.md)."""
         out = self._out
         if out:  # the common case: processed and waiting
             return out.popleft()

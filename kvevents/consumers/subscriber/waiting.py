@@ -139,7 +139,9 @@ class SourceWaits:
         self._fd_owner: dict[int, tuple[Any, Source, bool]] = {}
         # id(socket) -> (its source, whether the source is told when it signals)
         self._owner: dict[int, tuple[Source, bool]] = {}
-        self._pending: dict[int, Source] = {}
+        self.pending: dict[int, Source] = {}
+        """The sources with input without waiting, by id (then a wait must not block; read
+        only: :meth:`settle` keeps it)."""
         self.redialing: dict[int, Source] = {}
         """The sources waiting to dial again, by id (read only: :meth:`settle` keeps it)."""
         self._always_maintained = [
@@ -158,7 +160,7 @@ class SourceWaits:
         (its read opened or closed no socket and found every one empty) is not asked
         again; one called since its read (a replay request, a redial) must be settled
         again without ``read``."""
-        pending = self._pending
+        pending = self.pending
         for src in sources:
             key = id(src)
             if read and getattr(src, "read_settled", False):
@@ -234,16 +236,11 @@ class SourceWaits:
             pass  # not registered, or closed (which epoll forgets by itself)
 
     # --- waiting --------------------------------------------------------------------
-    @property
-    def pending(self) -> bool:
-        """Whether a source has input without waiting (then a wait must not block)."""
-        return bool(self._pending)
-
     def select(self, timeout_s: float | None) -> list[Source]:
         """Wait up to ``timeout_s`` seconds (None: until input; no wait at all while a
         source is pending) and return the sources with input: the pending ones, then
         those whose descriptors signalled.  Read them, then :meth:`settle` them."""
-        pending = self._pending
+        pending = self.pending
         if pending:
             timeout: float | None = 0.0
         else:
@@ -294,7 +291,7 @@ class SourceWaits:
     def ready(self, sockets: Iterable[Any]) -> list[Source]:
         """The sources owning ``sockets`` (readable ones among :meth:`sockets`), plus the
         pending ones."""
-        ready = dict(self._pending)
+        ready = dict(self.pending)
         for sock in sockets:
             entry = self._owner.get(id(sock))
             if entry is not None:
