@@ -65,9 +65,6 @@ __all__ = ["SubscriberCore"]
 logger = logging.getLogger("kvevents.consumers.subscriber")
 
 
-_NEVER = float("inf")
-
-
 def _earlier(wait: float | None, w: float | None) -> float | None:
     """The shorter of two waits in seconds (None: no limit)."""
     return wait if w is None or (wait is not None and wait <= w) else w
@@ -335,9 +332,9 @@ class SubscriberCore:
             wait = _earlier(wait, self._replays.next_deadline_s(now))
         if waits.redialing:
             wait = _earlier(wait, waits.next_redial_s(now))
-        check_at = self._liveness.check_at
-        if check_at != _NEVER:
-            wait = _earlier(wait, check_at - now)
+        liveness = self._liveness
+        if liveness.stale_after_s is not None:
+            wait = _earlier(wait, liveness.check_at - now)
         return None if wait is None else max(0.0, wait)
 
     def ready_sources(self, sockets: Iterable[Any]) -> list[Source]:

@@ -74,14 +74,6 @@ class Liveness:
             and now - st.live_at >= stale / 3
         )
 
-    def next_check_s(self, now: float) -> float | None:
-        """Seconds until the next probe or stale check is due (may be negative: overdue),
-        None when ``stale_after_s`` is None.  With no stream watched it is the next
-        scan, a third of ``stale_after_s`` after the last one."""
-        if self.stale_after_s is None:
-            return None
-        return self.check_at - now
-
     def check(self, now: float) -> None:
         """Probe the streams silent for a third of ``stale_after_s`` and report the ones
         silent for all of it.  A call before the earliest due time the last call found
