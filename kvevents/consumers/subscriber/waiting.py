@@ -188,6 +188,19 @@ class SourceWaits:
                 pending.pop(key, None)
             self._note_redial(key, src)
 
+    def defer(self, unread: Iterable[Source], read: Iterable[Source]) -> None:
+        """After a step that read ``read`` (settled already) and stopped before
+        ``unread`` (sources :meth:`select` returned, so they have input): ``unread`` are
+        pending, and those of ``read`` still pending go behind them, so that the next
+        steps read busy sources in turn."""
+        pending = self.pending
+        for src in unread:
+            pending.setdefault(id(src), src)
+        for src in read:
+            key = id(src)
+            if key in pending:
+                pending[key] = pending.pop(key)
+
     def _note_redial(self, key: int, src: Source) -> None:
         if getattr(src, "redial_at", None) is not None:
             self.redialing[key] = src
