@@ -111,7 +111,7 @@ class SubscriberCore:
         max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
         curve: CurveClientConfig | None = None,
         max_replay_batches: int = 1_000_000,
-        receive_batch: int = 256,
+        receive_batch: int = 128,
         inband_window: int = 1024,
         **deprecated: Any,
     ) -> None:

@@ -67,7 +67,7 @@ class SubscriberOptions:
     rcvhwm: int = 100_000
     max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES
     max_replay_batches: int = 1_000_000
-    receive_batch: int = 256
+    receive_batch: int = 128
     inband_window: int = 1024
 
     def __post_init__(self) -> None:
