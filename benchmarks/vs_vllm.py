@@ -21,7 +21,10 @@ Rows:
   encode      ``encode_batch`` vs ``msgspec.msgpack.Encoder().encode`` of vLLM's objects
   e2e         events/s from a publisher process (``ZmqEventPublisher.publish`` in a
               tight loop) to a subscriber (ours: ``Subscriber``, receive + decode + seq
-              tracking; vLLM's: a SUB socket + its typed decoder, vLLM has no subscriber)
+              tracking; vLLM's: a SUB socket + its typed decoder, vLLM has no subscriber),
+              and each process's CPU per batch (every thread, user + kernel) and the
+              cores both kept busy: on a small machine the pipeline may be bound by
+              the cores rather than by either side
 
 Codec rows are CPU time (``time.process_time``), ours and the reference interleaved rep by
 rep, best of the reps: the machine may be shared.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -204,14 +208,24 @@ def _publisher(
     batches = [build(ns, spec, 1.0) for _ in range(8)]
     while not go.wait(0.01):  # probes until the subscriber has seen one
         pub.publish(ns.KVEventBatch(0.0, [], 0))
+    before = _cpu()
     for i in range(n):
         pub.publish(batches[i % 8])
-    stop.wait(120)
+    stop.wait(120)  # (blocked: no CPU until the subscriber has everything)
+    status.put(_cpu() - before)
     pub.shutdown()
 
 
-def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float]:
-    """(events/s delivered, fraction delivered) for one side."""
+def _cpu() -> float:
+    """CPU seconds of this process so far, every thread (its ZMQ I/O threads too) and
+    the kernel's work for them."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float, float, float]:
+    """(events/s delivered, fraction delivered, the publisher process's CPU µs per
+    batch, the subscriber process's) for one side."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     for _attempt in range(5):
         probe = ctx.socket(zmq.PUB)
@@ -247,7 +261,7 @@ def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float]:
                         got += 1
                         last = time.perf_counter()
                         if got == 1:
-                            first = last
+                            first, cpu_first = last, _cpu()
                         if got == n:
                             break
                 elif item is None and got:
@@ -269,32 +283,48 @@ def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float]:
                     got += 1
                     last = time.perf_counter()
                     if got == 1:
-                        first = last
+                        first, cpu_first = last, _cpu()
             s.close(0)
+        sub_cpu = _cpu() - cpu_first if got else 0.0
     finally:
         stop.set()
+        pub_cpu = status.get(timeout=60) if got else 0.0
         proc.join(30)
     rate = (got - 1) * EVENTS / (last - first) if got > 1 and last > first else 0.0
-    return rate, got / n
+    per_batch = 1e6 / max(1, got)
+    return rate, got / n, pub_cpu * per_batch, sub_cpu * per_batch
 
 
 def bench_e2e(ref: Any, label: str, quick: bool) -> list[dict[str, Any]]:
     n = 2_000 if quick else 20_000
     spec = workloads(random.Random(1))["gpu_1blk"]
-    best = {"ours": (0.0, 0.0), "ref": (0.0, 0.0)}
+    best = {"ours": (0.0, 0.0, 0.0, 0.0), "ref": (0.0, 0.0, 0.0, 0.0)}
     for _ in range(1 if quick else 3):
         for which in ("ref", "ours"):
             r = _run_e2e(which, spec, n, ref)
             best[which] = max(best[which], r)
+    ours, theirs = best["ours"], best["ref"]
     return [
+        result(f"e2e publish -> subscriber, gpu_1blk, vs {label}", ours[0], "events/s", theirs[0]),
+        result("e2e delivered fraction (ours)", ours[1], "fraction", theirs[1]),
+        # Where the time goes (the best run's): each process's CPU, all its threads and
+        # the kernel's work for them, per 64-event batch delivered.  Over the wall time
+        # per batch, their sum says how many cores the pipeline kept busy.
+        result("e2e publisher process CPU per batch", ours[2], "us", theirs[2]),
+        result("e2e subscriber process CPU per batch", ours[3], "us", theirs[3]),
         result(
-            f"e2e publish -> subscriber, gpu_1blk, vs {label}",
-            best["ours"][0],
-            "events/s",
-            best["ref"][0],
+            "e2e cores busy (both processes)",
+            _cores(ours),
+            "cores",
+            _cores(theirs),
         ),
-        result("e2e delivered fraction (ours)", best["ours"][1], "fraction", best["ref"][1]),
     ]
+
+
+def _cores(run: tuple[float, float, float, float]) -> float:
+    """CPU time of both processes over wall time, for a run of ``_run_e2e``."""
+    rate, _, pub_us, sub_us = run
+    return (pub_us + sub_us) * rate / EVENTS / 1e6 if rate else 0.0
 
 
 def main() -> None:
