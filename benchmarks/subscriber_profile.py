@@ -23,13 +23,15 @@ of two values of N, divided by their difference, is the instructions per wake-up
 compare two checkouts, run this script under each one's ``PYTHONPATH`` alternately.
 
 Prints a table and a last JSON line (the subscriber against the bare loop, measured in
-the same run); ``--raw`` alone prints one JSON line ``{"us_per_batch": ..., "runs": [...]}``.
+the same run, and the time the garbage collector took in each); ``--raw`` alone prints
+one JSON line ``{"us_per_batch": ..., "runs": [...]}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import multiprocessing
 import pstats
@@ -120,6 +122,35 @@ class _Feed:
         self.ctx.term()
 
 
+class _Collections:
+    """Time the garbage collector spends while enabled (``gc.callbacks``): collections
+    of each generation and their milliseconds, in the process (any thread)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.ms = 0.0
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._began) * 1e3
+
+    def start(self) -> _Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+# The collector's work in each timed run of run_subscriber and run_raw.
+SUB_GC: list[_Collections] = []
+RAW_GC: list[_Collections] = []
+
+
 def run_subscriber(
     n: int, prof: cProfile.Profile | None = None, rate: float | None = None, engines: int = 1
 ) -> float:
@@ -130,6 +161,7 @@ def run_subscriber(
     got = 0
     if prof is not None:
         prof.enable()
+    collections = _Collections().start()
     t0 = time.thread_time()
     while got < n:
         item = sub.receive(5)
@@ -138,6 +170,8 @@ def run_subscriber(
         if isinstance(item, ReceivedBatch):
             got += 1
     cpu = time.thread_time() - t0
+    collections.stop()
+    SUB_GC.append(collections)
     if prof is not None:
         prof.disable()
     sub.close()
@@ -166,6 +200,7 @@ def run_raw(
         socks.append(s)
     feed.start()
     got = 0
+    collections = _Collections().start()
     t0 = time.thread_time()
     if engines == 1:
         poller = zmq.Poller()
@@ -198,6 +233,8 @@ def run_raw(
             ready = [key.data for key, _ in sel.select(5)]
         sel.close()
     cpu = time.thread_time() - t0
+    collections.stop()
+    RAW_GC.append(collections)
     for s in socks:
         s.close(0)
     feed.close()
@@ -433,6 +470,9 @@ def main() -> None:
         sub_runs.append(run_subscriber(batches, rate=a.paced, engines=a.engines))
         raw_runs.append(run_raw(batches, rate=a.paced, engines=a.engines))
     sub_us, raw_us = min(sub_runs), min(raw_runs)
+    for name, runs in (("ours", SUB_GC), ("bare", RAW_GC)):
+        counts = [sum(c.count[g] for c in runs) for g in range(3)]
+        print(f"garbage collections, {name}, {len(runs)} runs: generation 0/1/2 = {counts}")
     paced = "" if a.paced is None else f", paced at {a.paced:,.0f}/s"
     if a.engines > 1:
         paced += f" from {a.engines:,} engines"
@@ -447,8 +487,18 @@ def main() -> None:
             ),
             result(f"Subscriber.receive, CPU per batch{paced}", round(sub_us, 3), "us"),
             result(f"bare receive loop, CPU per batch{paced}", round(raw_us, 3), "us"),
+            result(
+                "garbage collector, ms per 10,000 batches (ours vs the bare loop)",
+                _per_10k(SUB_GC, batches),
+                "ms",
+                _per_10k(RAW_GC, batches),
+            ),
         ],
     )
+
+
+def _per_10k(runs: list[_Collections], batches: int) -> float:
+    return round(sum(c.ms for c in runs) / (len(runs) * batches) * 10_000, 3)
 
 
 if __name__ == "__main__":
