@@ -492,7 +492,8 @@ class _ListSource:
         pass
 
 
-def test_a_step_reads_sources_in_turn_and_holds_at_most_one_budget():
+@pytest.mark.parametrize("flavour", ["blocking", "asyncio"])
+def test_a_step_reads_sources_in_turn_and_holds_at_most_one_budget(flavour: str):
     # Five sources with a backlog each, read 4 messages at a time: a step stops once it
     # has read its budget (receive_batch messages in all), so the subscriber never holds
     # more than that many decoded batches the application has not taken, and the busy
@@ -500,16 +501,31 @@ def test_a_step_reads_sources_in_turn_and_holds_at_most_one_budget():
     log: list[tuple[str, int]] = []
     handed = [0]
     sources = [_ListSource(f"file-{i}", 40, log, handed) for i in range(5)]
-    sub = Subscriber(sources, catch_up=False, stale_after_s=None, receive_batch=4)
-    try:
-        got: list[tuple[str, int]] = []
-        while len(got) < 200:
-            item = sub.receive(5.0)
-            assert isinstance(item, ReceivedBatch), item
-            handed[0] += 1
-            got.append((item.source, item.seq))
-    finally:
-        sub.close()
+    got: list[tuple[str, int]] = []
+    if flavour == "blocking":
+        sub = Subscriber(sources, catch_up=False, stale_after_s=None, receive_batch=4)
+        try:
+            while len(got) < 200:
+                item = sub.receive(5.0)
+                assert isinstance(item, ReceivedBatch), item
+                handed[0] += 1
+                got.append((item.source, item.seq))
+        finally:
+            sub.close()
+    else:
+
+        async def run() -> None:
+            sub = AsyncSubscriber(sources, catch_up=False, stale_after_s=None, receive_batch=4)
+            try:
+                while len(got) < 200:
+                    item = await sub.receive(5.0)
+                    assert isinstance(item, ReceivedBatch), item
+                    handed[0] += 1
+                    got.append((item.source, item.seq))
+            finally:
+                sub.close()
+
+        asyncio.run(run())
     reads = [(name, n) for name, n in log if n]
     assert reads == [(f"file-{i}", 4) for _ in range(10) for i in range(5)]
     assert max(s.max_ahead for s in sources) == 0  # every read began with nothing held
