@@ -55,6 +55,10 @@ class _SelectorPoll:
 
 
 _READ = select.EPOLLIN if _EPOLL else selectors.EVENT_READ
+_MOST_EVENTS_WHILE_PENDING = 64
+"""How many signalled descriptors a wait that does not block (a source is pending)
+takes: epoll reports a ready descriptor again at every poll, moving it behind the
+others, so the rest follow at the next waits."""
 
 
 class PollerCache(Generic[P]):
@@ -254,13 +258,18 @@ class SourceWaits:
         source is pending) and return the sources with input: the pending ones, then
         those whose descriptors signalled.  Read them, then :meth:`settle` them."""
         pending = self.pending
+        owner = self._fd_owner
         if pending:
             timeout: float | None = 0.0
+            # The pending sources are read anyway.  Their descriptors, left unread by a
+            # step that stopped at its budget, signal at every poll (epoll is level
+            # triggered): ask for a few events only, which epoll hands out in turn.
+            most = _MOST_EVENTS_WHILE_PENDING
         else:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
-        owner = self._fd_owner
+            most = len(owner) or 1
         # (a wait is rounded up to whole milliseconds; None: no limit)
-        events = self._poll.poll(timeout, len(owner) or 1)
+        events = self._poll.poll(timeout, most)
         if not events:
             return list(pending.values())
         if len(events) == 1 and not pending:  # the usual wake-up: one descriptor
