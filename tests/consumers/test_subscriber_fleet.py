@@ -557,3 +557,20 @@ def test_a_fleet_backlog_read_a_budget_at_a_time_strands_nothing(
     finally:
         sub.close()
         pubs.close()
+
+
+def test_a_wait_hands_out_a_long_pending_list_in_turn():
+    # 100 sources always ready (no sockets): a wait returns the first 64, the others
+    # stay pending, and once a step has read some of them, those go behind the rest.
+    sources = [_ListSource(f"file-{i}", 1, [], [0]) for i in range(100)]
+    waits = SourceWaits(sources)
+    try:
+        first = waits.select(0.0)
+        assert first == sources[:64]
+        assert len(waits.pending) == 100
+        read, unread = first[:3], first[3:]
+        waits.defer(unread, read)
+        assert waits.select(0.0) == sources[3:67]
+        assert list(waits.pending.values())[-3:] == read
+    finally:
+        waits.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import select
 import selectors
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -55,10 +56,10 @@ class _SelectorPoll:
 
 
 _READ = select.EPOLLIN if _EPOLL else selectors.EVENT_READ
-_MOST_EVENTS_WHILE_PENDING = 64
-"""How many signalled descriptors a wait that does not block (a source is pending)
-takes: epoll reports a ready descriptor again at every poll, moving it behind the
-others, so the rest follow at the next waits."""
+_MOST_WHILE_PENDING = 64
+"""While a source is pending, how many pending sources a wait returns and how many
+signalled descriptors it takes: epoll reports a ready descriptor again at every poll,
+moving it behind the others, so the rest follow at the next waits."""
 
 
 class PollerCache(Generic[P]):
@@ -255,23 +256,27 @@ class SourceWaits:
     # --- waiting --------------------------------------------------------------------
     def select(self, timeout_s: float | None) -> list[Source]:
         """Wait up to ``timeout_s`` seconds (None: until input; no wait at all while a
-        source is pending) and return the sources with input: the pending ones, then
-        those whose descriptors signalled.  Read them, then :meth:`settle` them."""
+        source is pending) and return the sources with input: the pending ones (the
+        first 64 of them, when more are: the others stay pending), then those whose
+        descriptors signalled.  Read them, then :meth:`settle` them."""
         pending = self.pending
         owner = self._fd_owner
+        most = _MOST_WHILE_PENDING
         if pending:
             timeout: float | None = 0.0
-            # The pending sources are read anyway.  Their descriptors, left unread by a
-            # step that stopped at its budget, signal at every poll (epoll is level
-            # triggered): ask for a few events only, which epoll hands out in turn.
-            most = _MOST_EVENTS_WHILE_PENDING
+            # A step reads a budget of messages, not a fleet: hand it the first pending
+            # sources.  Their descriptors, left unread by a step that stopped at its
+            # budget, signal at every poll (epoll is level triggered): ask for a few
+            # events only, which epoll hands out in turn.
+            first = list(islice(pending.values(), most))
         else:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
             most = len(owner) or 1
+            first = []
         # (a wait is rounded up to whole milliseconds; None: no limit)
         events = self._poll.poll(timeout, most)
         if not events:
-            return list(pending.values())
+            return first
         if len(events) == 1 and not pending:  # the usual wake-up: one descriptor
             entry = owner.get(events[0][0])
             if entry is None:
@@ -279,7 +284,7 @@ class SourceWaits:
             if entry[2]:
                 entry[1].signalled(entry[0])  # type: ignore[attr-defined]
             return [entry[1]]
-        ready = dict(pending)
+        ready = {id(src): src for src in first}
         for fd, _ in events:
             entry = owner.get(fd)
             if entry is not None:
