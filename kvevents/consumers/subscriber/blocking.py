@@ -46,14 +46,15 @@ class Subscriber(SubscriberCore):
     unlimited) the ``ZMQ_MAXMSGSIZE`` of every socket; ``curve`` a
     :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
     ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
-    is abandoned and its holes reported); ``receive_batch`` (default 128) the most messages
-    read from one source per wake-up, and the number after which a wake-up reads no
-    further source (a read of a ZMQ source also stops after 64 KiB of payloads; what a
-    wake-up reads is decoded and held until the application takes it); ``inband_window`` how many live records of a capture may follow a gap
-    before the recorded replay answering it is given up (the gap is then reported
-    lost); ``context`` the ZMQ context to open sockets in (default: the process-wide
-    one; a fleet that would take more than half of its 1,023 sockets gets a context of
-    its own, closed with the subscriber).  The soft open-file limit is raised, up to
+    is abandoned and its holes reported); ``receive_batch`` (default 128) the most
+    messages read from one source per wake-up, and the count after which a wake-up
+    reads no further source (a read of a ZMQ source also stops after 64 KiB of
+    payloads; what a wake-up reads is decoded and held until the application takes
+    it); ``inband_window`` how many live records of a capture may follow a gap before
+    the recorded replay answering it is given up (the gap is then reported lost);
+    ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
+    fleet that would take more than half of its 1,023 sockets gets a context of its
+    own, closed with the subscriber).  The soft open-file limit is raised, up to
     the hard one, when about four descriptors per connection would not fit.  A wait
     costs the same whatever the number of sources: their sockets are registered once
     with the platform's selector.  Durations are seconds.  ``replay_timeout``,
