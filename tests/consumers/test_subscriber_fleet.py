@@ -567,6 +567,7 @@ def test_a_wait_hands_out_a_long_pending_list_in_turn():
     try:
         first = waits.select(0.0)
         assert first == sources[:64]
+        assert waits.ready(()) == first  # (the asyncio fallback's answer: the same)
         assert len(waits.pending) == 100
         read, unread = first[:3], first[3:]
         waits.defer(unread, read)

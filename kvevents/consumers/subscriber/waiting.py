@@ -261,18 +261,17 @@ class SourceWaits:
         descriptors signalled.  Read them, then :meth:`settle` them."""
         pending = self.pending
         owner = self._fd_owner
-        most = _MOST_WHILE_PENDING
         if pending:
             timeout: float | None = 0.0
-            # A step reads a budget of messages, not a fleet: hand it the first pending
-            # sources.  Their descriptors, left unread by a step that stopped at its
-            # budget, signal at every poll (epoll is level triggered): ask for a few
+            first = self._first_pending()
+            # The pending sources' descriptors, left unread by a step that stopped at
+            # its budget, signal at every poll (epoll is level triggered): ask for a few
             # events only, which epoll hands out in turn.
-            first = list(islice(pending.values(), most))
+            most = _MOST_WHILE_PENDING
         else:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
-            most = len(owner) or 1
             first = []
+            most = len(owner) or 1
         # (a wait is rounded up to whole milliseconds; None: no limit)
         events = self._poll.poll(timeout, most)
         if not events:
@@ -317,8 +316,8 @@ class SourceWaits:
 
     def ready(self, sockets: Iterable[Any]) -> list[Source]:
         """The sources owning ``sockets`` (readable ones among :meth:`sockets`), plus the
-        pending ones."""
-        ready = dict(self.pending)
+        pending ones (the first 64, as :meth:`select` returns them)."""
+        ready = {id(src): src for src in self._first_pending()}
         for sock in sockets:
             entry = self._owner.get(id(sock))
             if entry is not None:
@@ -327,6 +326,11 @@ class SourceWaits:
                     src.signalled(sock)  # type: ignore[attr-defined]
                 ready.setdefault(id(src), src)
         return list(ready.values())
+
+    def _first_pending(self) -> list[Source]:
+        """The first pending sources, at most 64: a step reads a budget of messages, not
+        a fleet, and the others stay pending for the next waits."""
+        return list(islice(self.pending.values(), _MOST_WHILE_PENDING))
 
     # --- attention without input ----------------------------------------------------
     def next_redial_s(self, now: float) -> float | None:
