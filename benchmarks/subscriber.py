@@ -13,11 +13,13 @@
   stream never ends, against a raw DEALER without a receive bound reading nothing.
   (The subscriber's bound is its replay receive queue: ``replay_rcvhwm`` messages.)
 
-``--quick`` shrinks every count so the run takes a few seconds.
+``--quick`` shrinks every count so the run takes a few seconds; ``--publishers 1,64,512``
+picks the publisher counts of the throughput rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import resource
@@ -31,7 +33,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import parse_args, report, result
+from benchmarks._common import report, result
 from kvevents.codec import (
     encode_batch,
     pack_live,
@@ -383,11 +385,24 @@ def _sub_under_endless_replay(bounded: bool, seconds: float, size: int) -> tuple
 
 
 def main() -> None:
-    args = parse_args(__doc__ or "")
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    p.add_argument(
+        "--publishers",
+        default="1,8,64",
+        help="comma-separated publisher counts for the throughput rows (default 1,8,64)",
+    )
+    args = p.parse_args()
+    try:
+        counts = [int(c) for c in args.publishers.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        p.error("--publishers takes counts of at least 1, e.g. 1,8,64")
     mp.set_start_method("fork", force=True)
     total = 20_000 if args.quick else 256_000
     results = []
-    for n in (1, 8, 64):
+    for n in counts:
         per_pub = max(1, total // n)
         raw = run_raw(n, per_pub)
         rate, anomalies = run_subscriber(n, per_pub)

@@ -47,10 +47,9 @@ class Subscriber(SubscriberCore):
     :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
     ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
     is abandoned and its holes reported); ``receive_batch`` (default 128) the most
-    messages read from one source per wake-up, and the count after which a wake-up
-    reads no further source (a read of a ZMQ source also stops after 64 KiB of
-    payloads; what a wake-up reads is decoded and held until the application takes
-    it); ``inband_window`` how many live records of a capture may follow a gap before
+    messages read from one source per wake-up (a read of a ZMQ source also stops after
+    64 KiB of payloads; what a wake-up reads is decoded and held until the application
+    takes it); ``inband_window`` how many live records of a capture may follow a gap before
     the recorded replay answering it is given up (the gap is then reported lost);
     ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
     fleet that would take more than half of its 1,023 sockets gets a context of its

@@ -344,9 +344,7 @@ class SubscriberCore:
 
     def step(self, ready: Iterable[Source] | None, now: float) -> None:
         """Read what the ``ready`` sources have (None: every source), process it, then
-        enforce replay deadlines and liveness.  A step stops reading once it has read
-        ``receive_batch`` messages in all: the sources it did not read are pending, and
-        the next step reads them first.  ``ready`` is what :meth:`select` or
+        enforce replay deadlines and liveness.  ``ready`` is what :meth:`select` or
         :meth:`ready_sources` returned: they also note which connection monitors
         signalled, and a source's monitor is read only then (or with None).  ``now`` is
         ``time.monotonic()``."""
@@ -355,15 +353,7 @@ class SubscriberCore:
         live = self._live
         process = self._process
         sources = self._waits.everything() if ready is None else list(ready)
-        unread: list[Source] = []
-        left = batch  # messages this step may still read, all sources together
         for src in sources:
-            if left <= 0:
-                # Enough for one step: held batches cost the garbage collector and the
-                # caches, so the rest wait for the next step, first in line.
-                unread = sources[sources.index(src) :]
-                sources = sources[: len(sources) - len(unread)]
-                break
             if replays.cut_channels:
                 replays.new_read()
             msgs = src.receive(batch)
@@ -371,7 +361,6 @@ class SubscriberCore:
             # not change.
             inband = src.replay_inband
             if msgs:
-                left -= len(msgs)
                 name = src.name
                 for msg in msgs:
                     if msg.kind == LIVE:
@@ -397,8 +386,6 @@ class SubscriberCore:
             replays.touched.clear()
         if maintained:
             waits.settle(maintained)
-        if unread:
-            waits.defer(unread, sources)
 
     def close(self) -> None:
         """Close every source's sockets (the ZMQ context is left alone, unless the

@@ -11,7 +11,6 @@ from __future__ import annotations
 import select
 import selectors
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -56,10 +55,6 @@ class _SelectorPoll:
 
 
 _READ = select.EPOLLIN if _EPOLL else selectors.EVENT_READ
-_MOST_WHILE_PENDING = 64
-"""While a source is pending, how many pending sources a wait returns and how many
-signalled descriptors it takes: epoll reports a ready descriptor again at every poll,
-moving it behind the others, so the rest follow at the next waits."""
 
 
 class PollerCache(Generic[P]):
@@ -193,19 +188,6 @@ class SourceWaits:
                 pending.pop(key, None)
             self._note_redial(key, src)
 
-    def defer(self, unread: Iterable[Source], read: Iterable[Source]) -> None:
-        """After a step that read ``read`` (settled already) and stopped before
-        ``unread`` (sources :meth:`select` returned, so they have input): ``unread`` are
-        pending, and those of ``read`` still pending go behind them, so that the next
-        steps read busy sources in turn."""
-        pending = self.pending
-        for src in unread:
-            pending.setdefault(id(src), src)
-        for src in read:
-            key = id(src)
-            if key in pending:
-                pending[key] = pending.pop(key)
-
     def _note_redial(self, key: int, src: Source) -> None:
         if getattr(src, "redial_at", None) is not None:
             self.redialing[key] = src
@@ -256,26 +238,18 @@ class SourceWaits:
     # --- waiting --------------------------------------------------------------------
     def select(self, timeout_s: float | None) -> list[Source]:
         """Wait up to ``timeout_s`` seconds (None: until input; no wait at all while a
-        source is pending) and return the sources with input: the pending ones (the
-        first 64 of them, when more are: the others stay pending), then those whose
-        descriptors signalled.  Read them, then :meth:`settle` them."""
+        source is pending) and return the sources with input: the pending ones, then
+        those whose descriptors signalled.  Read them, then :meth:`settle` them."""
         pending = self.pending
-        owner = self._fd_owner
         if pending:
             timeout: float | None = 0.0
-            first = self._first_pending()
-            # The pending sources' descriptors, left unread by a step that stopped at
-            # its budget, signal at every poll (epoll is level triggered): ask for a few
-            # events only, which epoll hands out in turn.
-            most = _MOST_WHILE_PENDING
         else:
             timeout = None if timeout_s is None else max(0.0, timeout_s)
-            first = []
-            most = len(owner) or 1
+        owner = self._fd_owner
         # (a wait is rounded up to whole milliseconds; None: no limit)
-        events = self._poll.poll(timeout, most)
+        events = self._poll.poll(timeout, len(owner) or 1)
         if not events:
-            return first
+            return list(pending.values())
         if len(events) == 1 and not pending:  # the usual wake-up: one descriptor
             entry = owner.get(events[0][0])
             if entry is None:
@@ -283,7 +257,7 @@ class SourceWaits:
             if entry[2]:
                 entry[1].signalled(entry[0])  # type: ignore[attr-defined]
             return [entry[1]]
-        ready = {id(src): src for src in first}
+        ready = dict(pending)
         for fd, _ in events:
             entry = owner.get(fd)
             if entry is not None:
@@ -316,8 +290,8 @@ class SourceWaits:
 
     def ready(self, sockets: Iterable[Any]) -> list[Source]:
         """The sources owning ``sockets`` (readable ones among :meth:`sockets`), plus the
-        pending ones (the first 64, as :meth:`select` returns them)."""
-        ready = {id(src): src for src in self._first_pending()}
+        pending ones."""
+        ready = dict(self.pending)
         for sock in sockets:
             entry = self._owner.get(id(sock))
             if entry is not None:
@@ -326,11 +300,6 @@ class SourceWaits:
                     src.signalled(sock)  # type: ignore[attr-defined]
                 ready.setdefault(id(src), src)
         return list(ready.values())
-
-    def _first_pending(self) -> list[Source]:
-        """The first pending sources, at most 64: a step reads a budget of messages, not
-        a fleet, and the others stay pending for the next waits."""
-        return list(islice(self.pending.values(), _MOST_WHILE_PENDING))
 
     # --- attention without input ----------------------------------------------------
     def next_redial_s(self, now: float) -> float | None:
