@@ -14,7 +14,8 @@
   (The subscriber's bound is its replay receive queue: ``replay_rcvhwm`` messages.)
 
 ``--quick`` shrinks every count so the run takes a few seconds; ``--publishers 1,64,512``
-picks the publisher counts of the throughput rows.
+picks the publisher counts of the throughput rows; ``--rounds N`` (default 3) alternates
+that many raw and subscriber runs per row and compares their medians.
 """
 
 from __future__ import annotations
@@ -392,7 +393,16 @@ def main() -> None:
         default="1,8,64",
         help="comma-separated publisher counts for the throughput rows (default 1,8,64)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternated raw/subscriber runs per throughput row; the medians are compared "
+        "(default 3)",
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds takes a count of at least 1")
     try:
         counts = [int(c) for c in args.publishers.split(",")]
     except ValueError:
@@ -404,10 +414,14 @@ def main() -> None:
     results = []
     for n in counts:
         per_pub = max(1, total // n)
-        raw = run_raw(n, per_pub)
-        rate, anomalies = run_subscriber(n, per_pub)
-        if anomalies:
-            print(f"warning: {anomalies} anomalies with {n} publishers", file=sys.stderr)
+        raws, rates = [], []
+        for _ in range(1 if args.quick else args.rounds):  # alternated: noise hits both
+            raws.append(run_raw(n, per_pub))
+            got, anomalies = run_subscriber(n, per_pub)
+            rates.append(got)
+            if anomalies:
+                print(f"warning: {anomalies} anomalies with {n} publishers", file=sys.stderr)
+        raw, rate = statistics.median(raws), statistics.median(rates)
         results.append(result(f"batches/s, {n} publisher(s)", rate, "batches/s", raw))
         results.append(
             result(

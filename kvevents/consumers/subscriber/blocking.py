@@ -48,8 +48,8 @@ class Subscriber(SubscriberCore):
     ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
     is abandoned and its holes reported); ``receive_batch`` (default 128) the most
     messages read from one source per wake-up (a read of a ZMQ source also stops after
-    64 KiB of payloads; what a wake-up reads is decoded and held until the application
-    takes it); ``inband_window`` how many live records of a capture may follow a gap before
+    64 KiB of payloads; a wake-up reads every ready source, then decodes one source's
+    read at a time, the next once the application has taken the items before it); ``inband_window`` how many live records of a capture may follow a gap before
     the recorded replay answering it is given up (the gap is then reported lost);
     ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
     fleet that would take more than half of its 1,023 sockets gets a context of its
@@ -82,6 +82,10 @@ class Subscriber(SubscriberCore):
         out = self._out
         if out:  # the common case: processed and waiting
             return out.popleft()
+        if self._wake is not None:  # the next of a wake-up's reads
+            self._advance()
+            if out:
+                return out.popleft()
         select = self._waits.select
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
@@ -197,6 +198,10 @@ class SubscriberCore:
         self._last_topic = self._replies.last_topic
         self._batch = options.receive_batch
         self._waits = SourceWaits(self._sources)
+        self._reads: deque[tuple[Source, list[SourceMessage]]] = deque()
+        """The current wake-up's reads not yet processed, in read order."""
+        self._wake: tuple[list[Source], float] | None = None
+        """The current wake-up's sources and time while its duties are still to run."""
         self._closed = False
         if options.catch_up:
             self._replays.catch_up_sources()
@@ -260,15 +265,19 @@ class SubscriberCore:
         }
 
     def take(self) -> SubscriberItem | None:
-        """The next batch or anomaly already processed, or None."""
-        return self._out.popleft() if self._out else None
+        """The next batch or anomaly already read, or None (a wake-up's reads not yet
+        processed are processed up to the next item)."""
+        out = self._out
+        if not out and self._wake is not None:
+            self._advance()
+        return out.popleft() if out else None
 
     def finished(self) -> bool:
         """Every source is exhausted (capture files read to the end) and nothing is left."""
         for src in self._sources:  # (a loop, not all() over a generator: once a wake-up)
             if not src.exhausted:
                 return False
-        return self._inband.idle and not self._out
+        return self._inband.idle and not self._out and self._wake is None
 
     def receiving(
         self, timeout_s: float | None
@@ -285,6 +294,8 @@ class SubscriberCore:
         out = self._out
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            if not out and self._wake is not None:
+                self._advance()
             if out:
                 return out.popleft()
             if self._closed or self.finished():
@@ -324,7 +335,7 @@ class SubscriberCore:
         (a file with more to read, a socket whose read stopped at its budget).  ``now``
         and ``deadline`` are ``time.monotonic()`` seconds."""
         waits = self._waits
-        if waits.pending:
+        if waits.pending or self._wake is not None:
             return 0.0
         wait = None if deadline is None else deadline - now
         # (each timer is asked only when it has something timed: once a wake-up)
@@ -343,20 +354,46 @@ class SubscriberCore:
         return self._waits.ready(sockets)
 
     def step(self, ready: Iterable[Source] | None, now: float) -> None:
-        """Read what the ``ready`` sources have (None: every source), process it, then
+        """Read what the ``ready`` sources have (None: every source) and process it, then
         enforce replay deadlines and liveness.  ``ready`` is what :meth:`select` or
         :meth:`ready_sources` returned: they also note which connection monitors
         signalled, and a source's monitor is read only then (or with None).  ``now`` is
-        ``time.monotonic()``."""
-        replays = self._replays
+        ``time.monotonic()``.
+
+        Every ready source is read at once, but a source's read is decoded and tracked
+        only when the reads before it have been taken: processing stops at the first read
+        that yields an item, and :meth:`take` goes on from there (so a wake-up over many
+        sources holds their raw messages, not their decoded batches).  The deadlines and
+        liveness are enforced once the wake-up's last read is processed; until then
+        :meth:`wait_seconds` is 0."""
+        if self._wake is not None:  # (a previous wake-up's reads are processed first)
+            self._advance(everything=True)
         batch = self._batch
-        live = self._live
-        process = self._process
+        reads = self._reads
         sources = self._waits.everything() if ready is None else list(ready)
         for src in sources:
+            msgs = src.receive(batch)
+            if msgs or src.replay_inband:
+                reads.append((src, msgs))
+        self._wake = (sources, now)
+        self._advance()
+
+    def _advance(self, everything: bool = False) -> None:
+        """Process the wake-up's reads in order until one yields an item (``everything``:
+        until none is left); after the last, run the wake-up's timed duties."""
+        reads = self._reads
+        out = self._out
+        replays = self._replays
+        live = self._live
+        process = self._process
+        wake = self._wake
+        if wake is None:
+            return
+        now = wake[1]
+        while reads:
             if replays.cut_channels:
                 replays.new_read()
-            msgs = src.receive(batch)
+            src, msgs = reads.popleft()
             # Read once per read, not per message: a source's replay kind and name do
             # not change.
             inband = src.replay_inband
@@ -369,6 +406,15 @@ class SubscriberCore:
                         process(src, msg, now)
             if inband and src.exhausted:
                 self._inband.end(src, everything=True)
+            if out and reads and not everything:
+                return
+        self._wake = None
+        self._duties(wake[0], now)
+
+    def _duties(self, sources: list[Source], now: float) -> None:
+        """After a wake-up's reads are processed: replay deadlines, liveness, source
+        maintenance, and the sockets' state read afresh before the next wait."""
+        replays = self._replays
         # (each timed duty is called only when it may have something due)
         if replays.queues:
             replays.check_deadlines(now)
@@ -393,6 +439,8 @@ class SubscriberCore:
         if self._closed:
             return
         self._closed = True
+        self._reads.clear()
+        self._wake = None
         for src in self._sources:
             try:
                 src.close()
