@@ -53,17 +53,24 @@ from kvevents.consumers.subscriber.options import (
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.replay import ReplayScheduler
 from kvevents.consumers.subscriber.replies import ReplyRouter
-from kvevents.consumers.subscriber.streams import HeldBatch, fingerprint
+from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey, fingerprint
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
 from kvevents.errors import DecodeError
+from kvevents.events import KVEventBatch
 from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
+from kvevents.seqtrack import StreamTracker
 
 __all__ = ["SubscriberCore"]
 
 logger = logging.getLogger("kvevents.consumers.subscriber")
+
+
+_Run = tuple[str, bytes, int, StreamKey, StreamTracker[HeldBatch]]
+"""A stream that a read just delivered to in order: the message's origin (as sent), topic
+and rank, the stream's key and its tracker."""
 
 
 def _earlier(wait: float | None, w: float | None) -> float | None:
@@ -397,13 +404,15 @@ class SubscriberCore:
             # Read once per read, not per message: a source's replay kind and name do
             # not change.
             inband = src.replay_inband
-            if msgs:
+            if inband:
                 name = src.name
                 for msg in msgs:
                     if msg.kind == LIVE:
-                        live(src, name, inband, msg, now)
+                        live(src, name, True, msg, now)
                     else:
                         process(src, msg, now)
+            elif msgs:
+                self._read(src, msgs, now)
             if inband and src.exhausted:
                 self._inband.end(src, everything=True)
             if out and reads and not everything:
@@ -458,30 +467,76 @@ class SubscriberCore:
             pass
 
     # --- message routing --------------------------------------------------------------
-    def _live(self, src: Source, name: str, inband: bool, msg: SourceMessage, now: float) -> None:
+    def _read(self, src: Source, msgs: list[SourceMessage], now: float) -> None:
+        """The messages of one read of ``src``, a source without in-band replay, read at
+        ``now``.  A live batch that follows one delivered in order on the same stream
+        (same origin, topic and rank) and is itself next in order is decoded,
+        fingerprinted and delivered, nothing more: :meth:`_live` found that stream, ended
+        its silence and marked it heard at the same ``now`` for the batch before."""
+        name = src.name
+        decode = self._decode
+        deliver = self._outbox.deliver
+        live = self._live
+        run: _Run | None = None
+        for msg in msgs:
+            if msg.kind != LIVE:
+                self._process(src, msg, now)
+                run = None
+                continue
+            if run is None or msg.topic != run[1] or msg.origin != run[0]:
+                run = live(src, name, False, msg, now)
+                continue
+            payload = msg.payload
+            try:
+                decoded = decode(payload)
+            except DecodeError as exc:
+                self._table.undecodable(msg.origin or name, msg, exc)
+                continue
+            if (decoded.data_parallel_rank or 0) == run[2]:
+                seq = msg.seq
+                fp = fingerprint(payload)
+                if run[4].live_in_order(seq, fp):
+                    deliver(run[3], seq, decoded, msg.replayed, msg.topic, payload, msg.recv_ts)
+                    continue
+            run = live(src, name, False, msg, now, decoded)
+
+    def _live(
+        self,
+        src: Source,
+        name: str,
+        inband: bool,
+        msg: SourceMessage,
+        now: float,
+        decoded: KVEventBatch | None = None,
+    ) -> _Run | None:
         """A :data:`LIVE` message of ``src`` (whose ``name`` and ``replay_inband`` are
-        given): decode it, find its stream and hand it to the stream's tracker."""
+        given): decode it (unless ``decoded`` is given), find its stream and hand it to
+        the stream's tracker.  Returns the message's origin (as sent), topic and rank,
+        its stream's key and tracker when it was delivered in order on the live path,
+        else None."""
         origin = msg.origin or name
         topic = msg.topic
         payload = msg.payload
         table = self._table
-        try:
-            decoded = self._decode(payload)
-        except DecodeError as exc:
-            table.undecodable(origin, msg, exc)
-            return
+        if decoded is None:
+            try:
+                decoded = self._decode(payload)
+            except DecodeError as exc:
+                table.undecodable(origin, msg, exc)
+                return None
         self._last_topic[name] = topic
         source = self._names.get((origin, topic))
         if source is None:
             source = table.worker_source(origin, topic)
-        key = (source, decoded.data_parallel_rank or 0)
+        rank = decoded.data_parallel_rank or 0
+        key = (source, rank)
         st = self._streams.get(key) or table.open(key, src, topic, now)
         tracker = st.tracker
         fp = fingerprint(payload)
         if inband:
             item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
             if self._inband.live(key, tracker, msg, item, fp):
-                return
+                return None
         elif self._resumed_after_silence(st, now):
             self._apply(key, tracker.verify())
         st.heard = st.live_at = now
@@ -490,9 +545,10 @@ class SubscriberCore:
         seq = msg.seq
         if tracker.live_in_order(seq, fp):  # the usual batch: no actions to build
             self._outbox.deliver(key, seq, decoded, msg.replayed, topic, payload, msg.recv_ts)
-        else:
-            item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
-            self._apply(key, tracker.live(seq, item, fp))
+            return None if inband else (msg.origin, topic, rank, key, tracker)
+        item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
+        self._apply(key, tracker.live(seq, item, fp))
+        return None
 
     def _process(self, src: Source, msg: SourceMessage, now: float) -> None:
         kind = msg.kind
