@@ -367,62 +367,76 @@ class SubscriberCore:
         signalled, and a source's monitor is read only then (or with None).  ``now`` is
         ``time.monotonic()``.
 
-        Every ready source is read at once, but a source's read is decoded and tracked
-        only when the reads before it have been taken: processing stops at the first read
-        that yields an item, and :meth:`take` goes on from there (so a wake-up over many
-        sources holds their raw messages, not their decoded batches).  The deadlines and
-        liveness are enforced once the wake-up's last read is processed; until then
-        :meth:`wait_seconds` is 0."""
+        Every ready source is read now, but once a read has yielded an item the later
+        reads are held raw: each is decoded and tracked when the items before it have
+        been taken (:meth:`take`), so a wake-up over many sources holds their raw
+        messages, not their decoded batches.  The deadlines and liveness are enforced
+        once the wake-up's last read is processed; until then :meth:`wait_seconds` is 0.
+        A call while reads are still held processes them all first."""
         if self._wake is not None:  # (a previous wake-up's reads are processed first)
             self._advance(everything=True)
         batch = self._batch
         reads = self._reads
+        out = self._out
         sources = self._waits.everything() if ready is None else list(ready)
         for src in sources:
             msgs = src.receive(batch)
-            if msgs or src.replay_inband:
+            if not out:
+                self._take_read(src, msgs, now)
+            elif msgs or src.replay_inband:  # (an item is out: hold the rest raw)
                 reads.append((src, msgs))
-        self._wake = (sources, now)
-        self._advance()
+        if reads:
+            self._wake = (sources, now)
+        else:
+            self._duties(sources, now)
 
     def _advance(self, everything: bool = False) -> None:
-        """Process the wake-up's reads in order until one yields an item (``everything``:
-        until none is left); after the last, run the wake-up's timed duties."""
-        reads = self._reads
-        out = self._out
-        replays = self._replays
-        live = self._live
-        process = self._process
+        """Process the reads held from the last wake-up, in order, until one yields an
+        item (``everything``: until none is left); after the last, run the wake-up's
+        duties."""
         wake = self._wake
         if wake is None:
             return
+        reads = self._reads
+        out = self._out
         now = wake[1]
         while reads:
-            if replays.cut_channels:
-                replays.new_read()
             src, msgs = reads.popleft()
-            # Read once per read, not per message: a source's replay kind and name do
-            # not change.
-            inband = src.replay_inband
-            if inband:
-                name = src.name
-                for msg in msgs:
-                    if msg.kind == LIVE:
-                        live(src, name, True, msg, now)
-                    else:
-                        process(src, msg, now)
-            elif msgs:
-                self._read(src, msgs, now)
-            if inband and src.exhausted:
-                self._inband.end(src, everything=True)
+            self._take_read(src, msgs, now)
             if out and reads and not everything:
                 return
         self._wake = None
         self._duties(wake[0], now)
 
+    def _take_read(self, src: Source, msgs: list[SourceMessage], now: float) -> None:
+        """Process one read of ``src``, made at ``now``."""
+        replays = self._replays
+        if replays.cut_channels:
+            replays.new_read()
+        # Read once per read, not per message: a source's replay kind and name do not
+        # change.
+        if src.replay_inband:
+            name = src.name
+            for msg in msgs:
+                if msg.kind == LIVE:
+                    self._live(src, name, True, msg, now)
+                else:
+                    self._process(src, msg, now)
+            if src.exhausted:
+                self._inband.end(src, everything=True)
+        elif len(msgs) == 1:  # a live engine's usual read
+            msg = msgs[0]
+            if msg.kind == LIVE:
+                self._live(src, src.name, False, msg, now)
+            else:
+                self._process(src, msg, now)
+        elif msgs:
+            self._read(src, msgs, now)
+
     def _duties(self, sources: list[Source], now: float) -> None:
-        """After a wake-up's reads are processed: replay deadlines, liveness, source
-        maintenance, and the sockets' state read afresh before the next wait."""
+        """After a wake-up's reads of ``sources`` are processed: replay deadlines,
+        liveness, source maintenance, and the sockets' state read afresh before the next
+        wait."""
         replays = self._replays
         # (each timed duty is called only when it may have something due)
         if replays.queues:
