@@ -48,8 +48,8 @@ class Subscriber(SubscriberCore):
     ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
     is abandoned and its holes reported); ``receive_batch`` (default 128) the most
     messages read from one source per wake-up (a read of a ZMQ source also stops after
-    64 KiB of payloads; a wake-up reads every ready source, then decodes one source's
-    read at a time, the next once the application has taken the items before it); ``inband_window`` how many live records of a capture may follow a gap before
+    64 KiB of payloads; once a wake-up's read has yielded an item, its later reads are
+    held raw and decoded when the application has taken the items before them); ``inband_window`` how many live records of a capture may follow a gap before
     the recorded replay answering it is given up (the gap is then reported lost);
     ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
     fleet that would take more than half of its 1,023 sockets gets a context of its
