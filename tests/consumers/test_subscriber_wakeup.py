@@ -61,6 +61,19 @@ def test_only_the_first_read_of_a_wake_up_is_decoded_before_it_is_taken(tmp_path
     assert _per_engine(rest) == {name: list(range(30)) for name in set(engines)}
 
 
+def test_closing_with_reads_held_drops_them(tmp_path):
+    sub = Subscriber(_captures(tmp_path, 3, 10))
+    assert isinstance(sub.receive(5), ReceivedBatch)
+    assert sub.stats.batches == 10  # the other two engines' reads are held raw
+    sub.close()
+    rest = []  # what was processed before the close is still handed out; nothing more
+    while (item := sub.receive(0.1)) is not None:
+        rest.append(item)
+    assert [b.seq for b in rest] == list(range(1, 10))
+    assert {b.source for b in rest} == {"engine0#kv"}
+    assert sub.take() is None and sub.stats.batches == 10
+
+
 def test_a_step_before_the_previous_wake_up_is_taken_loses_nothing(tmp_path):
     """A caller with its own loop may step again early: the reads still held are
     processed first, then the new ones are read."""
