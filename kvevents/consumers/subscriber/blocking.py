@@ -49,8 +49,9 @@ class Subscriber(SubscriberCore):
     is abandoned and its holes reported); ``receive_batch`` (default 128) the most
     messages read from one source per wake-up (a read of a ZMQ source also stops after
     64 KiB of payloads; once a wake-up's read has yielded an item, its later reads are
-    held raw and decoded when the application has taken the items before them); ``inband_window`` how many live records of a capture may follow a gap before
-    the recorded replay answering it is given up (the gap is then reported lost);
+    held raw and decoded when the application has taken the items before them);
+    ``inband_window`` how many live records of a capture may follow a gap before the
+    recorded replay answering it is given up (the gap is then reported lost);
     ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
     fleet that would take more than half of its 1,023 sockets gets a context of its
     own, closed with the subscriber).  The soft open-file limit is raised, up to

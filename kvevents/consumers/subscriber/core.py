@@ -206,9 +206,10 @@ class SubscriberCore:
         self._batch = options.receive_batch
         self._waits = SourceWaits(self._sources)
         self._reads: deque[tuple[Source, list[SourceMessage]]] = deque()
-        """The current wake-up's reads not yet processed, in read order."""
+        """The last wake-up's reads held raw, in read order."""
         self._wake: tuple[list[Source], float] | None = None
-        """The current wake-up's sources and time while its duties are still to run."""
+        """The sources and time of the last wake-up while it has reads held (its duties
+        run after the last of them)."""
         self._closed = False
         if options.catch_up:
             self._replays.catch_up_sources()
