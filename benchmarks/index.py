@@ -150,10 +150,14 @@ def bench_apply(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
-def populate(workers: int, prompt: list[int], rng: random.Random, every: int) -> BlockIndex:
+def populate(
+    workers: int, prompt: list[int], rng: random.Random, every: int, index: BlockIndex | None = None
+) -> BlockIndex:
     """Every ``every``-th worker holds a random GPU prefix of ``prompt`` and the next
-    chunks on CPU; the others hold the same amount of another prompt's blocks."""
-    index = BlockIndex(blocks_per_chunk=BPC)
+    chunks on CPU; the others hold the same amount of another prompt's blocks.  Fills
+    ``index`` when given (an empty one, built with ``blocks_per_chunk=BPC``)."""
+    if index is None:
+        index = BlockIndex(blocks_per_chunk=BPC)
     nblocks = len(prompt) // BS
     other = [rng.randrange(50_000) for _ in range(len(prompt))]
     own_hashes = [rng.getrandbits(64) for _ in range(nblocks)]  # one engine hash family

@@ -17,8 +17,9 @@ synthetic GPU and CPU events (each engine holds a random-length prefix of one of
 * ``requests/s``: 32 concurrent clients for a few seconds, through the service and
   straight to the stub.
 
-Run: ``python benchmarks/serve.py [--quick]``.  The machine is shared: figures carry
-scheduling noise.
+The service freezes its startup heap as ``kvevents serve`` does (``--no-freeze``: it
+does not, for an A/B).  Run: ``python benchmarks/serve.py [--quick] [--no-freeze]``.
+The machine is shared: figures carry scheduling noise.
 """
 
 from __future__ import annotations
@@ -137,10 +138,11 @@ def fill_index(service: Any, seed: int = 0) -> int:
     return n
 
 
-def run_service(stub_port: int, port: int) -> None:
+def run_service(stub_port: int, port: int, freeze: bool = True) -> None:
     import uvicorn
 
     from kvevents.serve.app import ServeApp
+    from kvevents.serve.commands import freeze_startup_heap
     from kvevents.serve.config import ServeConfig, parse_engine_spec
 
     # events endpoints where nothing publishes: the indexes are filled here instead
@@ -149,6 +151,8 @@ def run_service(stub_port: int, port: int) -> None:
         for i in range(ENGINES)
     )
     service = ServeApp(ServeConfig(engines=specs, blocks_per_chunk=BPC, scrape_interval_s=1.0))
+    if freeze:  # as ``kvevents serve`` does once the service is built
+        freeze_startup_heap()
     fill_index(service)
     print("filled", flush=True)
     uvicorn.run(service.app, host="127.0.0.1", port=port, log_level="error", access_log=False)
@@ -234,9 +238,18 @@ def routing_overhead_from_metrics(url: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    from _common import parse_args, report, result
+    import argparse
 
-    args = parse_args(__doc__ or "")
+    from _common import report, result
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    p.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="the service skips the gc.freeze() that kvevents serve does at start (an A/B)",
+    )
+    args = p.parse_args()
     n = 40 if args.quick else 400
     seconds = 1.5 if args.quick else 6.0
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -244,7 +257,8 @@ def main() -> None:
     me = str(Path(__file__).resolve())
     stub = subprocess.Popen([sys.executable, me, "--role", "stub", str(stub_port)], env=env)
     service = subprocess.Popen(
-        [sys.executable, me, "--role", "service", str(stub_port), str(service_port)],
+        [sys.executable, me, "--role", "service", str(stub_port), str(service_port)]
+        + (["no-freeze"] if args.no_freeze else []),
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -295,6 +309,6 @@ if __name__ == "__main__":
         if sys.argv[2] == "stub":
             run_stub(int(sys.argv[3]))
         else:
-            run_service(int(sys.argv[3]), int(sys.argv[4]))
+            run_service(int(sys.argv[3]), int(sys.argv[4]), freeze="no-freeze" not in sys.argv)
     else:
         main()

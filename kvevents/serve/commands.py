@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -25,7 +26,18 @@ from kvevents.serve import load_config
 from kvevents.serve.app import ServeApp
 from kvevents.sim.http import SimHTTPConfig, default_http_engine, run_sim_fleet
 
-__all__ = ["cmd_serve", "cmd_sim_serve"]
+__all__ = ["cmd_serve", "cmd_sim_serve", "freeze_startup_heap"]
+
+
+def freeze_startup_heap() -> None:
+    """Collect, then put every object alive now out of the garbage collector's reach
+    (``gc.freeze``): the imported modules and the service just built, its indexes'
+    retention rooms included.  They live as long as the process, and a full collection
+    no longer traverses them: in a router process with a 1,000-worker index, full
+    passes went from 17-24 ms to about 3 ms (``benchmarks/router_gc.py``).  Objects
+    made later are collected as usual; reference counting still frees frozen ones."""
+    gc.collect()
+    gc.freeze()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -47,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         },
     )
     service = ServeApp(config)
+    freeze_startup_heap()
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
