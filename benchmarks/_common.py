@@ -21,10 +21,23 @@ from collections.abc import Callable
 from typing import Any
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the option every script takes, ``--quick``; a script adds its own."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
-    return p.parse_args()
+    return p
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    return arg_parser(description).parse_args()
+
+
+def count(text: str) -> int:
+    """An argparse ``type`` for counts of at least 1 (rounds, repeats)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a count of at least 1, got {n}")
+    return n
 
 
 def machine() -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import report, result
+from _common import arg_parser, count, report, result
 from index import BPC, populate
 
 from kvevents.consumers import BlockIndex, Router
@@ -96,13 +96,10 @@ def _pct(sorted_s: list[float], q: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
-    p.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2)")
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--rounds", type=count, default=2, help="alternated rounds (default 2)")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # (a child process)
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds takes a count of at least 1")
     workers = 100 if args.quick else 1000
     calls = 300 if args.quick else 3000
     if args.mode:

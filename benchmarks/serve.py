@@ -238,12 +238,9 @@ def routing_overhead_from_metrics(url: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    import argparse
+    from _common import arg_parser, report, result
 
-    from _common import report, result
-
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    p = arg_parser(__doc__ or "")
     p.add_argument(
         "--no-freeze",
         action="store_true",

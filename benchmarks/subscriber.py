@@ -20,7 +20,6 @@ that many raw and subscriber runs per row and compares their medians.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import resource
@@ -34,7 +33,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import report, result
+from benchmarks._common import arg_parser, count, report, result
 from kvevents.codec import (
     encode_batch,
     pack_live,
@@ -386,8 +385,7 @@ def _sub_under_endless_replay(bounded: bool, seconds: float, size: int) -> tuple
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    p = arg_parser(__doc__ or "")
     p.add_argument(
         "--publishers",
         default="1,8,64",
@@ -395,14 +393,12 @@ def main() -> None:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=count,
         default=3,
         help="alternated raw/subscriber runs per throughput row; the medians are compared "
         "(default 3)",
     )
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds takes a count of at least 1")
     try:
         counts = [int(c) for c in args.publishers.split(",")]
     except ValueError:

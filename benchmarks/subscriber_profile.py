@@ -29,7 +29,6 @@ one JSON line ``{"us_per_batch": ..., "runs": [...]}``.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import json
@@ -46,7 +45,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import report, result
+from benchmarks._common import arg_parser, report, result
 from benchmarks.subscriber import TOPIC, payloads
 from kvevents.codec import pack_live
 from kvevents.consumers import ReceivedBatch, Subscriber
@@ -378,10 +377,9 @@ def run_wakeups(n: int, loop: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = arg_parser(__doc__ or "")
     p.add_argument("--batches", type=int, default=60_000)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
     p.add_argument("--raw", action="store_true", help="time only the bare recv_multipart loop")
     p.add_argument("--profile", action="store_true", help="print a cProfile of one run")
     p.add_argument(
