@@ -174,12 +174,15 @@ def simple_ends(keys: list[int], n: int, lay: IndexLayout, index: BlockIndex) ->
     unit = lay.canonical
     gkeys = keys[: (n - 1) // unit]
     pos_bits = lay.pos_bits
-    chunk = lay.chunk_classes
+    chunk: Sequence[tuple[int, int]] = lay.chunk_classes
     gpu_end = [0] * (lay.nslots + 1)  # tokens, indexed by slot + 1
     get = index.marks(0).get
     starts: dict[int, int] = {}  # unit position -> slots whose CPU walk starts there
     aligned = 0  # slots whose GPU end is a whole number of chunks
     hit = 0  # slots with a non-zero end
+    more = index.marks(2)
+    if not (index.marks(1) or more):
+        chunk = ()  # no chunk tier holds anything: the GPU walk need not find its starts
     for u, gmask in lay.gpu_classes:
         nxt: Sequence[tuple[int, int]] = chunk
         if len(chunk) > 1:
@@ -193,8 +196,7 @@ def simple_ends(keys: list[int], n: int, lay: IndexLayout, index: BlockIndex) ->
         else:
             for f, bits in st.items():
                 starts[f] = starts.get(f, 0) | bits
-    more = index.marks(2)
-    if not chunk or not (index.marks(1) or more):
+    if not chunk:
         return gpu_end, None, None, hit
     if len(chunk) == 1:
         by_class = [starts]
