@@ -9,7 +9,10 @@ only a compiled core (or doing less work) can.
 
 * ``apply``: block-events/s from msgpack bytes (``benchmarks/index.py``'s 4-engine
   stream).  Floor: the typed decode of the same bytes plus one dict write or pop per
-  hash.  Goal: 3 M/s.
+  hash.  A *keyed* floor does the same work as the index without its bookkeeping: the
+  decode, a record per GPU block holding its chained content key, a count per CPU
+  chunk, and per tier a content key -> worker bitset (checked to end with the index's
+  keys).  Goal: 3 M/s.
 * ``find_matches``: ms for an 8k-token prompt over 1,000 workers that all hold it.
   Floor: the prompt's 512 content keys, one dict lookup and one ``&`` per key on a
   1,000-bit worker set, and one ``Match`` per worker in the result dict (built by C
@@ -51,9 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import best_rate, parse_args, report, result
 from index import BPC, bench_memory, engine_stream, populate
 from subscriber_profile import run_raw, run_subscriber
+from xxhash import xxh3_64_intdigest
 
 from kvevents.codec import BatchDecoder, encode_batch
-from kvevents.consumers.content import prompt_keys
+from kvevents.consumers.content import pack_tokens, prompt_keys
 from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.router import Match, Router
 from kvevents.events import BlockRemoved, BlockStored
@@ -62,6 +66,8 @@ APPLY_GOAL = 3_000_000.0  # block-events/s
 FIND_GOAL_MS = 0.4  # p99, 8k tokens x 1,000 workers
 SUB_GOAL = 0.7  # x a bare receive loop's rate
 MEMORY_GOAL = 100.0  # bytes per (block, worker, tier)
+KEY = (1 << 64) - 1  # the keyed floor's record: a 64-bit content key ...
+GPU_HELD = 1 << 64  # ... and a flag while the GPU holds the block
 
 
 def bench_apply(quick: bool) -> list[dict[str, Any]]:
@@ -95,12 +101,87 @@ def bench_apply(quick: bool) -> list[dict[str, Any]]:
                             t.pop(h, None)  # type: ignore[arg-type]
         return total
 
+    def keyed_floor() -> int:
+        keyed_marks()
+        return total
+
+    def keyed_marks() -> tuple[dict[int, int], dict[int, int]]:
+        # the least an index answering by content keys does: a record per GPU block
+        # (its chained key), a count per CPU chunk, and per tier a content key -> slot
+        # bitset (marks); no memory cap, eviction order, late joins or counters
+        gpu_marks: dict[int, int] = {}
+        cpu_marks: dict[int, int] = {}
+        for e, ps in enumerate(payloads):
+            bit = 1 << e
+            meta: dict[int, int] = {}  # hash -> content key | GPU_HELD
+            cpu: dict[int, int] = {}  # hash -> CPU stores
+            for p in ps:
+                for ev in decoder.decode(p).events:
+                    hashes = ev.block_hashes  # type: ignore[union-attr]
+                    if type(ev) is BlockStored:
+                        if ev.medium == "GPU":
+                            parent = ev.parent_block_hash
+                            k = 0 if parent is None else meta[parent] & KEY  # type: ignore[index]
+                            mv = memoryview(pack_tokens(ev.token_ids))
+                            a = 0
+                            for h in hashes:
+                                k = xxh3_64_intdigest(mv[a : a + 128], k)
+                                a += 128
+                                meta[h] = k | GPU_HELD  # type: ignore[index]
+                                gpu_marks[k] = gpu_marks.get(k, 0) | bit
+                        else:
+                            for h in hashes:
+                                cpu[h] = cpu.get(h, 0) + 1  # type: ignore[call-overload]
+                                k = meta[h] & KEY  # type: ignore[index]
+                                cpu_marks[k] = cpu_marks.get(k, 0) | bit
+                    else:
+                        marks = gpu_marks if ev.medium == "GPU" else cpu_marks
+                        for h in hashes:
+                            m = meta[h]  # type: ignore[index]
+                            k = m & KEY
+                            if marks is gpu_marks:
+                                m &= KEY
+                            elif cpu[h] > 1:  # type: ignore[index]
+                                cpu[h] -= 1  # type: ignore[index]
+                                continue
+                            else:
+                                del cpu[h]  # type: ignore[arg-type]
+                            v = marks[k] & ~bit
+                            if v:
+                                marks[k] = v
+                            else:
+                                del marks[k]
+                            if m & GPU_HELD or h in cpu:
+                                meta[h] = m  # type: ignore[index]
+                            else:
+                                del meta[h]  # type: ignore[arg-type]
+        return gpu_marks, cpu_marks
+
+    index = BlockIndex(blocks_per_chunk=BPC)
+    for e, ps in enumerate(payloads):
+        for p in ps:
+            index.apply("engine", e, decoder.decode(p))
+    for tier, marks in enumerate(keyed_marks()):
+        for e in range(len(payloads)):
+            if {k for k, v in marks.items() if v >> e & 1} != index.held_keys(("engine", e), tier):
+                raise AssertionError("the keyed floor and the index hold different keys")
+
     gc.collect()
     ours_rate = best_rate(ours, **kw)
     floor_rate = best_rate(floor, **kw)
+    keyed_rate = best_rate(keyed_floor, **kw)
     return [
         result("apply, decode included: ours (vs floor)", ours_rate, "block-events/s", floor_rate),
         result("apply, decode included: floor (vs goal)", floor_rate, "block-events/s", APPLY_GOAL),
+        result(
+            "apply, decode included: ours (vs keyed floor)", ours_rate, "block-events/s", keyed_rate
+        ),
+        result(
+            "apply, decode included: keyed floor (vs goal)",
+            keyed_rate,
+            "block-events/s",
+            APPLY_GOAL,
+        ),
     ]
 
 
