@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import best_rate, parse_args, report, result
-from index import BPC, bench_memory, engine_stream, populate
+from index import BPC, BS, bench_memory, engine_stream, populate
 from subscriber_profile import run_raw, run_subscriber
 from xxhash import xxh3_64_intdigest
 
@@ -125,8 +125,8 @@ def bench_apply(quick: bool) -> list[dict[str, Any]]:
                             mv = memoryview(pack_tokens(ev.token_ids))
                             a = 0
                             for h in hashes:
-                                k = xxh3_64_intdigest(mv[a : a + 128], k)
-                                a += 128
+                                k = xxh3_64_intdigest(mv[a : a + 8 * BS], k)
+                                a += 8 * BS
                                 meta[h] = k | GPU_HELD  # type: ignore[index]
                                 gpu_marks[k] = gpu_marks.get(k, 0) | bit
                         else:
@@ -165,6 +165,7 @@ def bench_apply(quick: bool) -> list[dict[str, Any]]:
         for e in range(len(payloads)):
             if {k for k, v in marks.items() if v >> e & 1} != index.held_keys(("engine", e), tier):
                 raise AssertionError("the keyed floor and the index hold different keys")
+    del index
 
     gc.collect()
     ours_rate = best_rate(ours, **kw)
