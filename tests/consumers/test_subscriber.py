@@ -481,6 +481,7 @@ def test_received_batch_builds_the_same_frozen_value_as_the_dataclass() -> None:
 
     args = ("tcp://h:1", 2, 7, KVEventBatch(1.0, []), True, b"t", b"payload", 3.5)
     fast, slow = received_batch(*args), ReceivedBatch(*args)
+    assert type(fast) is ReceivedBatch
     assert fast == slow and repr(fast) == repr(slow)
     assert dataclasses.astuple(fast) == args
     with pytest.raises(dataclasses.FrozenInstanceError):
