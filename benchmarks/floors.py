@@ -229,18 +229,14 @@ def bench_find(quick: bool) -> list[dict[str, Any]]:
         ours_s.append(t1 - t0)
         floor_s.append(t3 - t1)  # the walk, then a Match object per worker
         build_s.append(t3 - t2)
-    for s in (ours_s, floor_s, build_s):
-        s.sort()
-
-    def pct(s: list[float], q: float) -> float:
-        return s[min(len(s) - 1, int(len(s) * q))] * 1e3
-
-    label = f"find_matches 8k tok x {workers} w, all hold it"
+    build_s.sort()
     return [
-        result(f"{label}: ours p50 (vs floor p50)", pct(ours_s, 0.5), "ms", pct(floor_s, 0.5)),
-        result(f"{label}: ours p99 (vs floor p99)", pct(ours_s, 0.99), "ms", pct(floor_s, 0.99)),
-        result(f"{label}: floor p50 (vs goal)", pct(floor_s, 0.5), "ms", FIND_GOAL_MS),
-        result(f"{label}: floor's Match per worker p50", pct(build_s, 0.5), "ms"),
+        *_find_rows(f"find_matches 8k tok x {workers} w, all hold it", ours_s, floor_s),
+        result(
+            f"find_matches 8k tok x {workers} w, all hold it: floor's Match per worker p50",
+            _pct(build_s, 0.5),
+            "ms",
+        ),
         result(
             "content keys of the 8k-token prompt p50",
             _best_ms(lambda: prompt_keys(prompt, 16), reps),
@@ -312,17 +308,24 @@ def bench_find_own_prefix(quick: bool) -> list[dict[str, Any]]:
         t2 = time.perf_counter()
         ours_s.append(t1 - t0)
         floor_s.append(t2 - t1)
+    return _find_rows(
+        f"find_matches 8k tok x {workers} w, each its own GPU prefix", ours_s, floor_s
+    )
+
+
+def _pct(s: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted seconds ``s``, in ms."""
+    return s[min(len(s) - 1, int(len(s) * q))] * 1e3
+
+
+def _find_rows(label: str, ours_s: list[float], floor_s: list[float]) -> list[dict[str, Any]]:
+    """Ours against the floor at p50 and p99, and the floor's p50 against the goal."""
     ours_s.sort()
     floor_s.sort()
-
-    def pct(s: list[float], q: float) -> float:
-        return s[min(len(s) - 1, int(len(s) * q))] * 1e3
-
-    label = f"find_matches 8k tok x {workers} w, each its own GPU prefix"
     return [
-        result(f"{label}: ours p50 (vs floor p50)", pct(ours_s, 0.5), "ms", pct(floor_s, 0.5)),
-        result(f"{label}: ours p99 (vs floor p99)", pct(ours_s, 0.99), "ms", pct(floor_s, 0.99)),
-        result(f"{label}: floor p50 (vs goal)", pct(floor_s, 0.5), "ms", FIND_GOAL_MS),
+        result(f"{label}: ours p50 (vs floor p50)", _pct(ours_s, 0.5), "ms", _pct(floor_s, 0.5)),
+        result(f"{label}: ours p99 (vs floor p99)", _pct(ours_s, 0.99), "ms", _pct(floor_s, 0.99)),
+        result(f"{label}: floor p50 (vs goal)", _pct(floor_s, 0.5), "ms", FIND_GOAL_MS),
     ]
 
 
