@@ -14,7 +14,14 @@ from kvevents.consumers.index import (
     WorkerId,
     WorkerSummary,
 )
-from kvevents.consumers.router import Candidate, Match, Router, TierWeights
+from kvevents.consumers.router import (
+    Candidate,
+    Match,
+    PendingOverlay,
+    PendingStats,
+    Router,
+    TierWeights,
+)
 from kvevents.consumers.seqtrack import StreamTracker
 from kvevents.consumers.sources import CaptureSource, Source, SourceMessage, ZmqSource
 from kvevents.consumers.subscriber import (
@@ -38,6 +45,8 @@ __all__ = [
     "ChunkSpan",
     "IndexStats",
     "Match",
+    "PendingOverlay",
+    "PendingStats",
     "ReceivedBatch",
     "Router",
     "Source",

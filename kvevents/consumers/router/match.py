@@ -39,4 +39,8 @@ class Candidate:
     match: Match
     load: float
     cost: float
-    """Prompt tokens minus tier-weighted reused tokens, plus ``load_weight × load``."""
+    """Prompt tokens minus tier-weighted reused tokens (pending ones at their own
+    weight), plus ``load_weight × load``."""
+    pending: int = 0
+    """Prompt tokens the router's pending overlay holds on this worker beyond ``match``
+    (routed there, not yet confirmed by its events); never part of ``match``."""

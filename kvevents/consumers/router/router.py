@@ -28,7 +28,10 @@ its own (:class:`~kvevents.consumers.router.lookup.WorkerLookup`).
 This module is the façade: it turns a request into content keys, sends the usual
 workers to the bitset walk (:mod:`~kvevents.consumers.router.walk`) and the others to
 the per-worker lookup (:mod:`~kvevents.consumers.router.lookup`), and prices the answer
-(:mod:`~kvevents.consumers.router.scoring`).
+(:mod:`~kvevents.consumers.router.scoring`).  With a
+:class:`~kvevents.consumers.router.pending.PendingOverlay`, :meth:`Router.score` and
+:meth:`Router.select` also credit what was just routed to a worker and is not confirmed
+by its events yet, at ``pending_weight`` (:meth:`Router.reserve` records a routing).
 
 May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
 :mod:`kvevents.errors`, :mod:`kvevents.request` and the router's own modules.
@@ -36,12 +39,14 @@ May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from kvevents.consumers.content import prompt_keys, request_keys
 from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.lookup import WorkerLookup
 from kvevents.consumers.router.match import Candidate, Match
+from kvevents.consumers.router.pending import DEFAULT_PENDING_WEIGHT, PendingOverlay
 from kvevents.consumers.router.scoring import (
     TierWeights,
     cheapest,
@@ -68,8 +73,10 @@ _NO_WORKERS = "no workers to route to: the index is empty and no loads given"
 class Router:
     """Picks the worker that makes a prompt cheapest to prefill.
 
-    ``cost(worker) = len(tokens) − (w_gpu·gpu + w_cpu·cpu + w_storage·storage)
-    + load_weight · load``; ties go to the smallest :data:`WorkerId`.
+    ``cost(worker) = len(tokens) − (w_gpu·gpu + w_cpu·cpu + w_storage·storage
+    + pending_weight·pending) + load_weight · load``; ties go to the smallest
+    :data:`WorkerId`.  ``pending`` is 0 unless the router has a ``pending`` overlay
+    (tokens routed to the worker by :meth:`reserve`, beyond its confirmed match).
     """
 
     def __init__(
@@ -77,10 +84,17 @@ class Router:
         index: BlockIndex,
         weights: TierWeights | None = None,
         load_weight: float = 1.0,
+        *,
+        pending: PendingOverlay | None = None,
+        pending_weight: float = DEFAULT_PENDING_WEIGHT,
     ) -> None:
+        if not (pending_weight >= 0 and math.isfinite(pending_weight)):
+            raise ConfigError(f"pending_weight must be finite and >= 0, not {pending_weight}")
         self.index = index
         self.weights = weights if weights is not None else TierWeights()
         self.load_weight = load_weight
+        self.pending = pending
+        self.pending_weight = pending_weight
         self._workers_cache: tuple[IndexLayout, int, list[WorkerId], set[WorkerId]] | None = None
 
     # ---------------------------------------------------------------- matching
@@ -154,14 +168,10 @@ class Router:
         the workers marked stale (:meth:`BlockIndex.set_stale`).  The request is given as
         to :meth:`find_matches`.
         """
-        matches = self.find_matches(
-            request,
-            lora_name=lora_name,
-            cache_salt=cache_salt,
-            mm_features=mm_features,
-            prompt_embeds=prompt_embeds,
-        )
-        return self._rank(request, matches, loads)
+        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        lay = self.index.layout()
+        matches = self._find(tokens, key, lay)
+        return self._rank(request, matches, loads, self._pending(tokens, key, lay, matches))
 
     def select(
         self,
@@ -180,6 +190,11 @@ class Router:
         :class:`~kvevents.errors.ConfigError` when there is no worker at all.
         """
         tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
+        if self._pending_live():
+            ranked = self.score(tokens if key is None else key, loads)
+            if not ranked:
+                raise ConfigError(_NO_WORKERS)
+            return ranked[0].worker
         lay = self.index.layout()
         ordered, known = self._sorted_workers()
         best: WorkerId | None
@@ -249,13 +264,80 @@ class Router:
         request: Sequence[int] | RequestKey,
         matches: Mapping[WorkerId, Match],
         loads: Mapping[WorkerId, float] | None,
+        pending: Mapping[WorkerId, int] | None = None,
     ) -> list[Candidate]:
         workers = set(self.index.workers())
         if loads:
             workers.update(loads)
         workers -= self.index.stale_workers
         n = len(request.tokens if isinstance(request, RequestKey) else request)
-        return rank(matches, workers, n, loads, self.weights, self.load_weight)
+        return rank(
+            matches, workers, n, loads, self.weights, self.load_weight, pending, self.pending_weight
+        )
+
+    # ---------------------------------------------------------------- pending
+
+    def reserve(
+        self,
+        request: Sequence[int] | RequestKey,
+        worker: WorkerId,
+        *,
+        ttl_s: float | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+    ) -> int | None:
+        """Record that ``request`` was just routed to ``worker``: its content keys become
+        pending there in the router's overlay (see
+        :class:`~kvevents.consumers.router.pending.PendingOverlay`).  Returns the
+        reservation id (for :meth:`PendingOverlay.finished`), or None without an
+        overlay, for a request with prompt embeddings (their keys depend on the engine's
+        block size) or shorter than one block, or one the overlay refused."""
+        if self.pending is None:
+            return None
+        keys = self.request_keys(
+            request, lora_name=lora_name, cache_salt=cache_salt, mm_features=mm_features
+        )
+        if not keys:
+            return None
+        return self.pending.reserve(worker, keys, ttl_s=ttl_s)
+
+    def request_keys(
+        self,
+        request: Sequence[int] | RequestKey,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+    ) -> list[int]:
+        """The request's chained content keys at the index's canonical block size (what
+        the index and the overlay key blocks by); empty with prompt embeddings."""
+        tokens, key = _request_key(request, lora_name, cache_salt, mm_features, None)
+        return _content_keys(tokens, key, self.index.layout().canonical)
+
+    def _pending_live(self) -> bool:
+        """Whether pending reservations may change a cost."""
+        ov = self.pending
+        return ov is not None and self.pending_weight > 0 and len(ov) > 0
+
+    def _pending(
+        self,
+        tokens: Sequence[int],
+        key: RequestKey | None,
+        lay: IndexLayout,
+        matches: Mapping[WorkerId, Match],
+    ) -> dict[WorkerId, int]:
+        """Per worker, the request's tokens pending beyond its match (the overlay swept
+        first); empty without an overlay or at weight 0."""
+        ov = self.pending
+        if ov is None or self.pending_weight <= 0 or not len(ov):
+            return {}
+        ov.sweep(self.index)
+        if not len(ov):
+            return {}
+        keys = _content_keys(tokens, key, lay.canonical)
+        confirmed = {wid: m.total for wid, m in matches.items()}
+        return ov.pending_tokens(keys, len(tokens), lay.canonical, confirmed)
 
     def _sorted_workers(self) -> tuple[list[WorkerId], set[WorkerId]]:
         """The index's workers, sorted, and a container to test membership (cached).
@@ -273,6 +355,15 @@ class Router:
         known = set(ordered)
         self._workers_cache = (lay, count, ordered, known)
         return ordered, known
+
+
+def _content_keys(tokens: Sequence[int], key: RequestKey | None, unit: int) -> list[int]:
+    """The chained content keys of a request (empty with prompt embeddings)."""
+    if key is None:
+        return prompt_keys(tokens, unit)
+    if key.prompt_embeds is not None:
+        return []
+    return request_keys(key, unit)
 
 
 def _request_key(

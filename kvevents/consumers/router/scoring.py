@@ -53,16 +53,22 @@ def rank(
     loads: Mapping[WorkerId, float] | None,
     weights: TierWeights,
     load_weight: float,
+    pending: Mapping[WorkerId, int] | None = None,
+    pending_weight: float = 0.0,
 ) -> list[Candidate]:
     """Every worker of ``workers`` with its match (absent from ``matches``: all zero),
-    load and cost, best first (cost, then worker id)."""
+    load and cost, best first (cost, then worker id).  ``pending``: per worker, tokens
+    pending beyond its match, credited at ``pending_weight``."""
     wt = weights
     out = []
     for wid in workers:
         m = matches.get(wid, ZERO)
         load = float(loads.get(wid, 0.0)) if loads else 0.0
         reused = wt.gpu * m.gpu + wt.cpu * m.cpu + wt.storage * m.storage
-        out.append(Candidate(wid, m, load, n - reused + load_weight * load))
+        p = pending.get(wid, 0) if pending else 0
+        if p:
+            reused += pending_weight * p
+        out.append(Candidate(wid, m, load, n - reused + load_weight * load, p))
     out.sort(key=lambda c: (_ordered(c.cost), c.worker))
     return out
 
