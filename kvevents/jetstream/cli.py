@@ -8,7 +8,6 @@ connects (it is an optional extra).
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 import sys
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 from kvevents.capture import CaptureReader
 from kvevents.codec import decode_batch
 from kvevents.engines import parse_engine_spec
-from kvevents.errors import ConfigError, DecodeError
+from kvevents.errors import ConfigError, DecodeError, KVEventsError
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import DEFAULT_STREAM, BatchHeaders, subject_for
 from kvevents.jetstream.reader import JetStreamSubscriber
@@ -170,7 +169,6 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
     if args.max_bytes is not None and args.max_bytes <= 0:
         raise ConfigError("--max-bytes must be > 0")
     engines = [parse_engine_spec(s, require_events=True) for s in args.engine]
-    logging.basicConfig(level=logging.WARNING, format="kvevents relay: %(message)s")
     relay = JetStreamRelay(
         args.nats, engines, stream=args.stream, max_age_s=args.max_age, max_bytes=args.max_bytes
     )
@@ -180,13 +178,22 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
         timer = threading.Timer(args.duration, stop.set)
         timer.daemon = True
         timer.start()
-    worker = threading.Thread(target=relay.run, args=(stop,), name="kvevents-relay", daemon=True)
+    failed: list[BaseException] = []
+
+    def guarded(target: Any) -> None:
+        try:
+            target(stop)
+        except BaseException as exc:  # reported by the main thread as one line
+            failed.append(exc)
+            stop.set()
+
+    worker = threading.Thread(target=guarded, args=(relay.run,), name="kvevents-relay", daemon=True)
     worker.start()
     snapper_thread = None
     if args.snapshot_every is not None:
         snapper = Snapshotter(args.nats, args.snapshot_every, stream=args.stream)
         snapper_thread = threading.Thread(
-            target=snapper.run, args=(stop,), name="kvevents-snapshots", daemon=True
+            target=guarded, args=(snapper.run,), name="kvevents-snapshots", daemon=True
         )
         snapper_thread.start()
     last = 0.0
@@ -206,9 +213,16 @@ def run_relay(args: argparse.Namespace, stop: threading.Event) -> int:
             snapper_thread.join(10)
         relay.close()
     s = relay.stats
+    if not args.quiet and sys.stderr.isatty():
+        sys.stderr.write("\n")
     print(
-        f"\nrelayed {s.appended:,} batches ({s.duplicates:,} already stored, {s.skipped:,} "
+        f"relayed {s.appended:,} batches ({s.duplicates:,} already stored, {s.skipped:,} "
         f"skipped, {s.retries} resends, {s.epochs} new epochs)",
         file=sys.stderr,
     )
+    if failed:
+        exc = failed[0]
+        if isinstance(exc, KVEventsError):
+            raise exc
+        raise ConfigError(f"the relay stopped: {exc or type(exc).__name__}") from exc
     return 0

@@ -55,10 +55,25 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
-        """Stop the loop and join the thread (idempotent)."""
+        """Cancel what still runs on the loop, stop it and join the thread (idempotent):
+        no task is left pending, so nothing is reported as destroyed at exit."""
         if self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            try:
+                self.run(self._cancel_all(), timeout_s=5.0)
+            except Exception:  # the loop is wedged: stop it anyway
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5.0)
         if not self._thread.is_alive():
             self.loop.close()
+
+    @staticmethod
+    async def _cancel_all() -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

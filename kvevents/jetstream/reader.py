@@ -35,6 +35,7 @@ from kvevents.codec import BatchDecoder
 from kvevents.consumers.seqtrack import PUBLISHER_RESTART, UNRECOVERABLE_LOSS
 from kvevents.consumers.subscriber import UNDECODABLE, Anomaly, ReceivedBatch
 from kvevents.errors import ConfigError, DecodeError, KVEventsError
+from kvevents.jetstream.connection import NatsLink, connect_jetstream
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import DEFAULT_STREAM, SUBJECT_PREFIX, BatchHeaders
 
@@ -182,7 +183,7 @@ class AsyncJetStreamSubscriber:
         start_seq: int | None = None,
         position: StreamPosition | None = None,
         decoder: BatchDecoder | None = None,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
         idle_heartbeat_s: float = 2.0,
     ) -> None:
         if start_seq is not None and position is not None:
@@ -200,6 +201,7 @@ class AsyncJetStreamSubscriber:
         self._connect_timeout_s = connect_timeout_s
         self._idle_heartbeat_s = idle_heartbeat_s
         self._nc: Any = None
+        self._link: NatsLink | None = None
         self._sub: Any = None
         self._out: deque[tuple[Item, Mark]] = deque()
 
@@ -213,25 +215,19 @@ class AsyncJetStreamSubscriber:
         """Connect and create the ordered consumer (idempotent)."""
         if self._sub is not None:
             return self
-        import nats
         from nats.js import api
+        from nats.js.errors import NotFoundError
 
-        try:
-            self._nc = await nats.connect(
-                self.url,
-                connect_timeout=self._connect_timeout_s,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.2,
-                allow_reconnect=True,
-            )
-        except Exception as exc:  # nats raises several unrelated types here
-            raise ConfigError(f"cannot connect to NATS at {self.url}: {exc}") from exc
+        self._link = await connect_jetstream(self.url, self._connect_timeout_s)
+        self._nc = self._link.nc
         js = self._nc.jetstream()
         try:
             await js.stream_info(self.stream)
-        except Exception as exc:
-            await self._nc.close()
-            raise ConfigError(f"no JetStream stream {self.stream!r} at {self.url}: {exc}") from exc
+        except NotFoundError:
+            await self._link.close()
+            raise ConfigError(
+                f"no JetStream stream {self.stream!r} at {self.url} (kvevents relay creates it)"
+            ) from None
         if self._start_seq is None:
             policy, config = api.DeliverPolicy.ALL, None
         else:
@@ -340,9 +336,10 @@ class AsyncJetStreamSubscriber:
             except Exception:  # the connection may already be gone
                 logger.debug("unsubscribe failed", exc_info=True)
             self._sub = None
-        if self._nc is not None:
-            await self._nc.close()
-            self._nc = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+        self._nc = None
 
     async def __aenter__(self) -> AsyncJetStreamSubscriber:
         return await self.start()
@@ -372,7 +369,9 @@ class JetStreamSubscriber:
         self._position = self._reader.position
         self._stop = threading.Event()
         try:
-            self._loop.run(self._reader.start(), timeout_s=kwargs.get("connect_timeout_s", 5.0) + 5)
+            self._loop.run(
+                self._reader.start(), timeout_s=kwargs.get("connect_timeout_s", 2.0) + 10
+            )
         except BaseException:
             self._loop.close()
             raise

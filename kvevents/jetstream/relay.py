@@ -36,6 +36,7 @@ from kvevents.consumers.sources import ZmqSource
 from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
 from kvevents.engines import EngineSpec
 from kvevents.errors import ConfigError, FrameError
+from kvevents.jetstream.connection import NatsLink, connect_jetstream
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import (
     DEFAULT_STREAM,
@@ -112,7 +113,10 @@ class JetStreamRelay:
     long one append waits for JetStream's acknowledgement before it is sent again;
     ``chunk_batches`` is the most batches appended in one burst (``chunk`` is its deprecated
     name); ``verify_timeout_s`` bounds the replay that checks, on start, whether an engine
-    still holds the stream's last batch.
+    still holds the stream's last batch; ``connect_window_s`` is how long the first
+    connection is tried before :class:`ConfigError` (``cannot reach nats://...``).  A
+    server lost later is reconnected to with backoff (:mod:`kvevents.jetstream.connection`)
+    while the batches wait; :meth:`run` returns once ``stop`` is set even then.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class JetStreamRelay:
         context: zmq.Context[Any] | None = None,
         subscriber_options: dict[str, Any] | None = None,
         chunk: int | None = None,
+        connect_window_s: float = 2.0,
     ) -> None:
         if chunk is not None:
             warnings.warn(
@@ -149,6 +154,9 @@ class JetStreamRelay:
         self._ack_timeout_s = ack_timeout_s
         self._chunk_batches = chunk_batches
         self._verify_timeout_s = verify_timeout_s
+        self._connect_window_s = connect_window_s
+        self._link: NatsLink | None = None
+        self._run_stop: threading.Event | None = None
         self._ctx = context if context is not None else zmq.Context.instance()
         self._loop = LoopThread("kvevents-relay")
         self._stop = threading.Event()
@@ -179,17 +187,8 @@ class JetStreamRelay:
             raise
 
     async def _connect(self, max_age_s: float | None, max_bytes: int | None) -> tuple[Any, Any]:
-        import nats
-
-        try:
-            nc = await nats.connect(
-                self.nats_url,
-                connect_timeout=5,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.2,
-            )
-        except Exception as exc:
-            raise ConfigError(f"cannot connect to NATS at {self.nats_url}: {exc}") from exc
+        self._link = await connect_jetstream(self.nats_url, self._connect_window_s)
+        nc = self._link.nc
         js = nc.jetstream()
         await ensure_stream(js, self.stream, max_age_s=max_age_s, max_bytes=max_bytes)
         return nc, js
@@ -281,10 +280,18 @@ class JetStreamRelay:
         else:
             logger.info("%s: %s %s..%s %s", a.source, a.kind, a.first_seq, a.last_seq, a.detail)
 
-    async def _append(self, msgs: list[tuple[str, bytes, dict[str, str]]]) -> None:
-        """Store ``msgs`` in order; resend from the first unacknowledged one until done."""
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or (self._run_stop is not None and self._run_stop.is_set())
+
+    async def _append(self, msgs: list[tuple[str, bytes, dict[str, str]]]) -> int:
+        """Store ``msgs`` in order; resend from the first unacknowledged one until done.
+        While the server is away, wait for the connection to return (the link says so
+        once).  Returns how many were stored: all, unless the relay was stopped first."""
         start = 0
         while start < len(msgs):
+            link = self._link
+            if link is not None and not link.is_up and not await link.wait_up(self._stopping):
+                break
             futures = []
             try:
                 for subject, payload, headers in msgs[start:]:
@@ -308,10 +315,21 @@ class JetStreamRelay:
                 # Acks arrive in order for one connection; resend from the first not acked.
                 start += acked
                 self.stats.retries += 1
-                logger.warning("JetStream append failed (%s); resending %d", exc, len(msgs) - start)
-                if self._stop.is_set():
-                    raise
+                if self._stopping():
+                    break
+                if self._link is None or self._link.is_up:
+                    logger.warning(
+                        "JetStream append failed (%s); resending %d",
+                        exc or type(exc).__name__,
+                        len(msgs) - start,
+                    )
                 await asyncio.sleep(0.2)
+        if start < len(msgs):
+            logger.warning(
+                "stopped with %d batch(es) not stored; the next relay run appends them",
+                len(msgs) - start,
+            )
+        return start
 
     def run(
         self,
@@ -320,6 +338,7 @@ class JetStreamRelay:
     ) -> None:
         """Relay until ``stop`` is set (or :meth:`close` is called)."""
         stop = stop or self._stop
+        self._run_stop = stop
         while not stop.is_set() and not self._stop.is_set():
             pending: list[tuple[str, bytes, dict[str, str]]] = []
             done: list[ReceivedBatch] = []
@@ -336,9 +355,9 @@ class JetStreamRelay:
                     break
                 item = self.subscriber.receive(timeout=0)
             if pending:
-                self._loop.run(self._append(pending))
+                stored = self._loop.run(self._append(pending))
                 if on_batch is not None:
-                    for rb in done:
+                    for rb in done[:stored]:
                         on_batch(rb)
 
     def close(self) -> None:
@@ -347,10 +366,11 @@ class JetStreamRelay:
             return
         self._stop.set()
         self.subscriber.close()
-        try:
-            self._loop.run(self._nc.drain(), timeout_s=5)
-        except Exception:
-            logger.debug("NATS drain failed", exc_info=True)
+        if self._link is not None:
+            try:
+                self._loop.run(self._link.close(drain=True), timeout_s=5)
+            except Exception:
+                logger.debug("NATS drain failed", exc_info=True)
         self._loop.close()
 
     def __enter__(self) -> JetStreamRelay:

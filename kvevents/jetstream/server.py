@@ -45,7 +45,8 @@ def _free_port() -> int:
 
 
 class LocalNatsServer:
-    """``nats-server -js`` on 127.0.0.1 with its store in ``store_dir`` (a temp dir by default).
+    """``nats-server -js`` on 127.0.0.1 with its store in ``store_dir`` (a temp dir by default);
+    ``jetstream=False`` leaves ``-js`` out (a plain NATS server, as a misconfigured one).
 
     :meth:`start` waits (up to ``start_timeout_s``) until the port accepts connections;
     :meth:`stop` terminates it; :meth:`restart` stops and starts it on the same port and
@@ -53,7 +54,12 @@ class LocalNatsServer:
     """
 
     def __init__(
-        self, port: int | None = None, store_dir: str | None = None, start_timeout_s: float = 10.0
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        start_timeout_s: float = 10.0,
+        *,
+        jetstream: bool = True,
     ) -> None:
         self.binary = find_nats_server()
         self.port = port or _free_port()
@@ -63,6 +69,7 @@ class LocalNatsServer:
             store_dir = self._tmp.name
         self.store_dir = store_dir
         self.start_timeout_s = start_timeout_s
+        self.jetstream = jetstream
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -70,7 +77,9 @@ class LocalNatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> LocalNatsServer:
-        cmd = [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.store_dir]
+        cmd = [self.binary, "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream:
+            cmd += ["-js", "-sd", self.store_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
