@@ -1,13 +1,18 @@
-"""Tier refcounts: the general path of counting residencies in and out.
+"""Tier refcounts: every residency counted in and out, by one set of rules.
 
-One job: the refcount rules every store, removal and clear goes through: a (worker,
-group, hash) is *resident* while any tier holds it (GPU: the refcount in its record;
-CPU/STORAGE: ``GroupState.refs``); the first reference on a tier marks its content key
-in that tier's :class:`~.marks.TierMarks`, the last one unmarks it; an entry that
-stops being resident keeps its record as retained metadata (:mod:`.join`); the memory
-cap (:mod:`.eviction`) hears of every entry that becomes or stops being resident.
-The batch loop's fast paths (:mod:`.apply`) apply these rules inline, with the same
-record constants (:mod:`.records`) and mark steps (:mod:`.marks`).
+One job: the refcount rules every store, removal and clear goes through.  A (worker,
+group, hash) entry is *resident* while any tier holds it (GPU: the refcount in its
+record, :func:`.records.gpu_refs`; CPU/STORAGE: ``GroupState.refs``).
+
+* :meth:`RefRules.ref`: the first reference on a tier marks the content key in that
+  tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
+  (:meth:`RefRules.became_resident`: counted, no longer retained metadata, told to the
+  memory cap).
+* :meth:`RefRules.unref`: the last reference on a tier unmarks the key; the last on any
+  tier ends the residency (:meth:`RefRules.stopped_being_resident`: the record is kept
+  as retained metadata, :mod:`.join`, for a late CPU store or later children); a
+  removal of a hash the tier does not hold is :meth:`RefRules.remove_unknown`'s.
+* :meth:`RefRules.clear_tiers`: ``AllBlocksCleared`` and resets, every tier at once.
 
 :class:`RefRules` also holds the state the feeding rooms share, as documented public
 attributes.  Imports :mod:`.eviction`, :mod:`.join`, :mod:`.marks`, :mod:`.records`,
@@ -21,16 +26,8 @@ from typing import Any
 
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.join import PendingTable, Retention
-from kvevents.consumers.index.marks import TierMarks, drop_dup, mark, unmark
+from kvevents.consumers.index.marks import TierMarks, mark, unmark
 from kvevents.consumers.index.records import (
-    CK_MASK,
-    F_GPU,
-    FREE_LINK,
-    GPU_ONE,
-    GPU_SHIFT,
-    HAS_CK,
-    PARENT_MASK,
-    PARENT_SHIFT,
     Hash,
     Record,
     add_gpu,
@@ -40,6 +37,7 @@ from kvevents.consumers.index.records import (
 )
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import (
+    GPU,
     TIERS,
     GroupState,
     WorkerId,
@@ -118,51 +116,48 @@ class RefRules:
     def ref(self, w: WorkerState, gs: GroupState, tier: int, h: Hash, ck: int | None) -> None:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
-        For the GPU tier the record of ``h`` holds the refcount; if the memory cap has
-        just dropped that record, there is nothing to count.  ``tier < 0`` (metadata
-        only) counts nothing.
+        The first reference on a tier marks ``ck`` in that tier's marks; the first on any
+        tier makes the entry resident (:meth:`became_resident`).  For the GPU tier the
+        record of ``h`` holds the refcount; if the memory cap has just dropped that
+        record, there is nothing to count.  ``tier < 0`` (metadata only) counts nothing.
         """
         if tier < 0:
             return
-        r = gs.refs
-        if tier == 0:
-            meta = gs.meta
-            m = meta.get(h)
+        if tier == GPU:
+            m = gs.meta.get(h)
             if m is None:
                 # the memory cap dropped this entry whole while it was being applied
                 # (e.g. while joining its pending CPU stores); nothing left to count
                 return
-            if isinstance(m, int):
-                c = m >> GPU_SHIFT
-                meta[h] = m + GPU_ONE
-            else:
-                c = m[F_GPU]
-                meta[h] = add_gpu(m, 1)
-            if c:
-                return
-            elsewhere = h in r[1] or h in r[2]
+            gs.meta[h] = add_gpu(m, 1)
+            if gpu_refs(m):
+                return  # not the first GPU reference
         else:
-            refs = r[tier]
-            c = refs.get(h, 0)
-            refs[h] = c + 1
-            if c:
-                return
-            om = gs.meta.get(h)
-            elsewhere = (om is not None and gpu_refs(om) > 0) or h in r[3 - tier]
+            refs = gs.refs[tier]
+            count = refs.get(h, 0)
+            refs[h] = count + 1
+            if count:
+                return  # not the first reference on this tier
         if ck is not None:
             mark(self.marks[tier], ck, gs.bit)
-        if elsewhere:
-            return
+        if not gs.held_elsewhere(h, tier):
+            self.became_resident(w, gs, tier, h)
+
+    def became_resident(self, w: WorkerState, gs: GroupState, tier: int, h: Hash) -> None:
+        """``h`` became resident (its first reference on any tier): one more resident
+        entry, no longer a retained record, and (while the memory cap keeps its
+        bookkeeping) a child of its parent with a place in the eviction queue (a GPU
+        store queues its blocks itself, at its end)."""
         cap = self.cap
         cap.resident += 1
         if self.retention.records:
             self.retention.forget(w.wid, gs.group, h)
         if cap.tracking:
             m = gs.meta.get(h)
-            if tier:
-                cap.enter(gs, h, m)
-            else:  # (a GPU store: the store queues the event's blocks)
+            if tier == GPU:
                 cap.add_child(gs, h, m)
+            else:
+                cap.enter(gs, h, m)
         if cap.resident > cap.watch:
             cap.watch_hit()
 
@@ -171,97 +166,65 @@ class RefRules:
     def remove(self, w: WorkerState, group: int, hashes: Iterable[Hash], tier: int) -> None:
         """One residency of each of ``hashes`` on ``tier`` fewer (unknown ones counted)."""
         gs = w.groups.get(group)
-        if gs is None:
-            for h in hashes:
-                self.remove_unknown(w, None, group, h, tier)
-            return
-        r = gs.refs
-        refs = r[tier]
-        marks = self.marks[tier]
-        meta = gs.meta
-        bit = gs.bit
-        cap = self.cap
-        retention = self.retention
-        retired = retention.records
-        wid = w.wid
-        removed = 0
-        unknown = 0
         for h in hashes:
-            if tier == 0:
-                m = meta.get(h)
-                c = 0 if m is None else gpu_refs(m)
-                if not c or m is None:
-                    self.remove_unknown(w, gs, group, h, tier)
-                    continue
-                removed += 1
-                meta[h] = add_gpu(m, -1)
-                if c > 1:
-                    continue
-                elsewhere = h in r[1] or h in r[2]
+            self.unref(w, gs, group, h, tier)
+
+    def unref(self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int) -> None:
+        """One residency of ``h`` on ``tier`` fewer.
+
+        A hash the tier does not hold goes to :meth:`remove_unknown`.  The last reference
+        on a tier unmarks the content key in that tier's marks; the last on any tier
+        ends the entry's residency (:meth:`stopped_being_resident`).
+        """
+        if gs is None:
+            self.remove_unknown(w, None, group, h, tier)
+            return
+        if tier == GPU:
+            m = gs.meta.get(h)
+            count = 0 if m is None else gpu_refs(m)
+            if not count or m is None:
+                self.remove_unknown(w, gs, group, h, tier)
+                return
+            self.stats.removed[TIERS[tier]] += 1
+            gs.meta[h] = add_gpu(m, -1)
+        else:
+            refs = gs.refs[tier]
+            count = refs.get(h, 0)
+            if not count:
+                self.remove_unknown(w, gs, group, h, tier)
+                return
+            self.stats.removed[TIERS[tier]] += 1
+            if count > 1:
+                refs[h] = count - 1
             else:
-                cc = refs.get(h)
-                if cc is None:
-                    if h in meta or wid in self.pending.per_worker:
-                        self.remove_unknown(w, gs, group, h, tier)
-                    else:  # (remove_unknown's last case, inline: evicted or unknown)
-                        unknown += 1
-                    continue
-                removed += 1
-                if cc > 1:
-                    refs[h] = cc - 1
-                    continue
                 del refs[h]
-                m = meta.get(h)
-                if type(m) is int:  # the packed record, inline
-                    elsewhere = m >= GPU_ONE or h in r[3 - tier]
-                    if m & HAS_CK:
-                        ck = m & CK_MASK
-                        if marks.dups and drop_dup(marks, ck, bit):
-                            pass  # another engine block of this slot has it
-                        else:  # (marks.unmark, inline)
-                            v = marks.get(ck)
-                            if v is not None:
-                                if v == bit:  # the only holder
-                                    del marks[ck]
-                                else:
-                                    v &= ~bit
-                                    if v:
-                                        marks[ck] = v
-                                    else:
-                                        del marks[ck]
-                    if not elsewhere:
-                        cap.resident -= 1
-                        if gs.deferred:
-                            gs.deferred.pop(h, None)
-                        p = (m >> PARENT_SHIFT) & PARENT_MASK
-                        if p and gs.kids and not m & FREE_LINK:
-                            cap.unkid(gs, p - 1)
-                        retired[(wid, group, h)] = None
-                        if len(retired) > retention.limit:
-                            retention.trim()
-                    continue
-                elsewhere = (m is not None and gpu_refs(m) > 0) or h in r[3 - tier]
-            if m is not None:
-                mck = content_key(m)
-                if mck is not None:
-                    unmark(marks, mck, bit)
-            if not elsewhere:
-                cap.resident -= 1
-                if gs.deferred:
-                    gs.deferred.pop(h, None)
-                if m is not None:
-                    mp = counted_parent(m)
-                    if mp is not None and gs.kids:
-                        cap.unkid(gs, mp)
-                    retired[(wid, group, h)] = None
-                    if len(retired) > retention.limit:
-                        retention.trim()
-                else:  # held without a record: its places stay queued
-                    cap.forget((h,))
-        if removed:
-            self.stats.removed[TIERS[tier]] += removed
-        if unknown:
-            self.stats.unknown_removals[TIERS[tier]] += unknown
+            m = gs.meta.get(h)
+        if count > 1:
+            return  # not the last reference on this tier
+        ck = content_key(m) if m is not None else None
+        if ck is not None:
+            unmark(self.marks[tier], ck, gs.bit)
+        if not gs.held_elsewhere(h, tier):
+            self.stopped_being_resident(w, gs, h, m)
+
+    def stopped_being_resident(
+        self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None
+    ) -> None:
+        """``h`` (record ``m``) lost its last reference on any tier: one resident entry
+        fewer, one resident child fewer for its parent, and its record retained (bounded)
+        for a late CPU store or later children.  Held without a record, it may keep
+        places in the eviction queue (:meth:`Eviction.forget`)."""
+        cap = self.cap
+        cap.resident -= 1
+        if gs.deferred:
+            gs.deferred.pop(h, None)
+        if m is None:
+            cap.forget((h,))
+            return
+        parent = counted_parent(m)
+        if parent is not None and gs.kids:
+            cap.unkid(gs, parent)
+        self.retention.retire(w.wid, gs, h)
 
     def remove_unknown(
         self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int

@@ -16,10 +16,13 @@ from kvevents.consumers.index.records import GPU_ONE, Hash, Record, gpu_refs
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
 __all__ = [
+    "CPU",
+    "GPU",
     "IGNORED_KINDS",
     "KEYED_KINDS",
     "LOCAL_KINDS",
     "PLACEHOLDER_TIER",
+    "STORAGE",
     "SW_KINDS",
     "TIERS",
     "TIER_OF",
@@ -36,6 +39,8 @@ WorkerId = tuple[str, int]
 
 TIERS: tuple[str, str, str] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 """Tier names in index order: 0 = GPU, 1 = CPU, 2 = STORAGE."""
+GPU, CPU, STORAGE = 0, 1, 2
+"""The tiers' indices (in :data:`TIERS`, the marks and ``GroupState.refs``)."""
 # Other spellings of the offload tiers seen on the wire: vLLM 0.26's "FS" / "OBJ" (before
 # STORAGE replaced them) and other producers' names for host memory and storage.
 _MEDIUM_ALIASES: dict[str | None, int] = {
@@ -117,6 +122,14 @@ class GroupState:
         if type(m) is int:
             return m >= GPU_ONE or h in r[1] or h in r[2]
         return (m is not None and gpu_refs(m) > 0) or h in r[1] or h in r[2]
+
+    def held_elsewhere(self, h: Hash, tier: int) -> bool:
+        """Whether a tier other than ``tier`` holds ``h`` in this group."""
+        r = self.refs
+        if tier == GPU:
+            return h in r[CPU] or h in r[STORAGE]
+        m = self.meta.get(h)
+        return (m is not None and gpu_refs(m) > 0) or h in r[3 - tier]
 
 
 class WorkerState:
