@@ -19,7 +19,9 @@ topic is empty, else ``"<endpoint>#<topic>"`` (:func:`worker_source`), e.g.
 **Catch-up.**  A new stream is replayed from seq 0: the publisher's ring answers from its
 oldest seq; what it no longer holds is a ``history_missed`` anomaly with the seq range
 (the index starts incomplete; nothing to reset).  With a replay endpoint the whole ring
-is also asked for when the subscriber starts, so idle engines are caught up too.
+is also asked for when the live socket connects and no stream of that endpoint is known
+yet, so idle engines are caught up too; a new stream whose endpoint was already asked
+for its ring rides on that request, so the ring is asked for once per connect.
 
 **Gaps, duplicates, order.**  A gap is repaired by a DEALER replay merged with live
 traffic, so nothing is applied twice or out of order.  A seq is either delivered or

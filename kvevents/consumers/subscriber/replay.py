@@ -113,10 +113,31 @@ class ReplayScheduler:
             detail = "replay endpoint timed out recently (cooldown)"
             self.outbox.apply(key, tracker.replay_failed(req.replay_id, detail))
             return
+        queue = self.queues.setdefault(ck, deque())
+        if req.start == 0 and self._join_catch_up(queue, key, st.topic, req.replay_id):
+            return
         deadline = now + self.replay_timeout_s
-        job = ReplayJob(key, ck, st.topic, req.start, req.replay_id, deadline, probe=probe)
-        self.queues.setdefault(ck, deque()).append(job)
+        queue.append(ReplayJob(key, ck, st.topic, req.start, req.replay_id, deadline, probe=probe))
         self.pump(now)
+
+    def _join_catch_up(
+        self, queue: deque[ReplayJob], key: StreamKey, topic: bytes, replay_id: int
+    ) -> bool:
+        """Let stream ``key``'s request from seq 0 (its catch-up) ride on a catch-up of
+        the whole ring already asked of its channel, instead of asking for the ring a
+        second time: True when it joined one.  A catch-up not yet sent takes it in any
+        case; one in flight only when it has handed this stream nothing yet (its replies
+        come in seq order, so the stream still gets the ring from its oldest seq)."""
+        for job in queue:
+            joined = job.catch_up
+            if joined is None or (job.topic and job.topic != topic):
+                continue
+            if job.sent and (key in joined or key in job.declined):
+                continue
+            joined[key] = replay_id
+            self.outbox.stats.replays["joined"] += 1
+            return True
+        return False
 
     def catch_up_sources(self) -> None:
         """Ask every replay channel for its whole ring at once, so a subscriber catches
@@ -129,15 +150,25 @@ class ReplayScheduler:
                 self.catch_up_source(src, now)
 
     def catch_up_source(self, src: Source, now: float) -> None:
-        """Ask ``src``'s channels for their whole ring.  The replies create the streams
-        they belong to (the rank is in each batch, the topic in the reply or the
-        channel); known streams ignore them."""
+        """Ask ``src``'s channels for their whole ring, once per channel: the replies
+        create the streams they belong to (the rank is in each batch, the topic in the
+        reply or the channel).  A channel is not asked again when it already has a
+        catch-up queued or in flight (a request from seq 0 answers the whole ring: it
+        becomes that catch-up), or when it already has streams: each of them checks its
+        identity by a replay from its last applied seq, and a replay of the whole ring
+        would bring them nothing but copies."""
         if src.replay_inband or not src.can_replay:
             return
+        known = {st.channel for st in self.streams.values() if st.src is src}
         for channel, topic in replay_channels(src).items():
             ck = (src.name, channel)
             queue = self.queues.setdefault(ck, deque())
-            if any(j.catch_up is not None and not j.sent for j in queue):
+            if channel in known or any(j.catch_up is not None for j in queue):
+                continue
+            whole = next((j for j in queue if j.start == 0), None)
+            if whole is not None:
+                whole.catch_up = {whole.stream: whole.replay_id}
+                self.outbox.stats.replays["catch_up"] += 1
                 continue
             self.outbox.stats.replays["catch_up"] += 1
             deadline = now + self.replay_timeout_s

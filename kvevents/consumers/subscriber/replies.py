@@ -75,8 +75,9 @@ class ReplyRouter:
             replay_id = job.catch_up.get(key)
             if replay_id is None:
                 st = table.open(key, src, topic, now)
-                start = st.tracker.catch_up()
+                start = None if key in job.declined else st.tracker.catch_up()
                 if start is None:  # already following: live traffic got there first
+                    job.declined.add(key)
                     stats.dropped["catch_up_overlap"] += 1
                     return
                 replay_id = job.catch_up[key] = start.replay_id
@@ -126,8 +127,9 @@ class ReplyRouter:
     def connected(self, src: Source, now: float, *, catch_up: bool) -> None:
         """The live socket of ``src`` connected.  After a drop, requests in flight are
         resent and every stream's identity is checked before anything the new
-        connection delivers is applied; with ``catch_up`` the ring is asked for what was
-        published before the connection (it never arrives live)."""
+        connection delivers is applied; with ``catch_up`` the channels with no stream
+        known yet are asked for their ring (what was published before the connection
+        never arrives live)."""
         self.outbox.stats.connections["connected"] += 1
         sched = self.scheduler
         if src.name in self.dropped:

@@ -8,7 +8,7 @@ protocol, :mod:`kvevents.events` and ``xxhash``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
@@ -78,8 +78,10 @@ class ReplayJob:
     ``sent``.  ``deadline`` (monotonic seconds) is when it times out, renewed by every
     reply; ``replies`` counts them; ``waited`` counts live records a capture's in-band
     replay let pass; ``resends`` the times its connection dropped; ``probe`` marks a
-    liveness probe.  ``catch_up`` is set for the start-up catch-up of a channel: the
-    streams it fed, with their replay ids."""
+    liveness probe.  ``catch_up`` is set for the catch-up of a channel (its whole
+    ring): the streams it feeds, with their replay ids; ``declined`` the streams that
+    were already following something else when its first reply for them came (they
+    ignore it)."""
 
     stream: StreamKey
     channel: ChannelKey
@@ -93,6 +95,7 @@ class ReplayJob:
     resends: int = 0
     probe: bool = False
     catch_up: dict[StreamKey, int] | None = None
+    declined: set[StreamKey] = field(default_factory=set)
 
     def streams(self) -> list[tuple[StreamKey, int]]:
         """``(stream, replay_id)`` pairs this job answers."""
