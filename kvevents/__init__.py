@@ -1,8 +1,10 @@
 """kvevents: a vLLM-compatible bridge for LLM KV-cache events.
 
-The core (this package's top level) is the wire contract: the event classes, the codec
-and frame helpers, capture files, block hashing and the error hierarchy.  The engine
-side lives in :mod:`kvevents.publishers`, the router side in :mod:`kvevents.consumers`.
+The top level exports what an application needs of the core: the event classes, the
+codec (:func:`encode_batch`, :func:`decode_batch`, :class:`BatchDecoder`), capture files,
+the request key and the error hierarchy.  The ZMQ frame helpers live in
+:mod:`kvevents.codec`, block hashing in :mod:`kvevents.hashing`.  The engine side lives
+in :mod:`kvevents.publishers`, the router side in :mod:`kvevents.consumers`.
 """
 
 from kvevents.capture import (
@@ -13,24 +15,12 @@ from kvevents.capture import (
     read_capture,
 )
 from kvevents.codec import (
-    END_SEQ,
     BatchDecoder,
     DecodeStats,
-    LiveMessage,
-    ReplayReply,
     WireShape,
     decode_batch,
     describe_payload,
     encode_batch,
-    pack_live,
-    pack_replay_end,
-    pack_replay_reply,
-    pack_replay_request,
-    pack_seq,
-    parse_live,
-    parse_replay_reply,
-    parse_replay_request,
-    unpack_seq,
 )
 from kvevents.errors import (
     CaptureError,
@@ -51,9 +41,7 @@ from kvevents.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventBatch,
     ExternalBlockHash,
-    KVCacheEvent,
     KVEvent,
     KVEventBatch,
 )
@@ -62,7 +50,6 @@ from kvevents.version import __version__
 
 __all__ = [
     "CAPTURE_FORMAT_VERSION",
-    "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
@@ -78,34 +65,21 @@ __all__ = [
     "DecodeError",
     "DecodeStats",
     "EncodeError",
-    "EventBatch",
     "ExternalBlockHash",
     "FrameError",
-    "KVCacheEvent",
     "KVEvent",
     "KVEventBatch",
     "KVEventsError",
-    "LiveMessage",
     "MMFeature",
     "MetricsError",
     "MissingDependencyError",
     "OffloadError",
     "PublisherClosedError",
-    "ReplayReply",
     "RequestKey",
     "WireShape",
     "__version__",
     "decode_batch",
     "describe_payload",
     "encode_batch",
-    "pack_live",
-    "pack_replay_end",
-    "pack_replay_reply",
-    "pack_replay_request",
-    "pack_seq",
-    "parse_live",
-    "parse_replay_reply",
-    "parse_replay_request",
     "read_capture",
-    "unpack_seq",
 ]

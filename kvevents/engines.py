@@ -24,9 +24,7 @@ One engine is one publisher of KV events (one vLLM API server), written
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
-from typing import overload
 
 from kvevents.endpoints import offset_endpoint
 from kvevents.errors import ConfigError
@@ -46,12 +44,6 @@ USAGE = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=
 """The one-line form of an engine spec, quoted by every parse error."""
 
 
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"EngineSpec.{old} is deprecated; use EngineSpec.{new}", DeprecationWarning, stacklevel=3
-    )
-
-
 @dataclass(frozen=True, init=False)
 class EngineSpec:
     """One engine: its name, HTTP front, event endpoints, DP ranks and topic.
@@ -65,10 +57,8 @@ class EngineSpec:
     * ``dp_size``: how many data-parallel ranks publish at offset endpoints (≥ 1);
     * ``topic``: the topic prefix subscribed to (``""``: all).
 
-    Every check raises :class:`ConfigError` (a ``ValueError``).  The arguments are
-    positional in this order; the names ``url``, ``events``, ``replay`` and ``dp`` of
-    the former ``kvevents.serve`` spec are accepted as deprecated keyword aliases (and
-    readable as deprecated properties) for one release.
+    Every check raises :class:`ConfigError` (a ``ValueError``).  An empty endpoint or
+    URL string means "not given".
     """
 
     name: str
@@ -86,25 +76,7 @@ class EngineSpec:
         replay_endpoint: str | None = None,
         dp_size: int = 1,
         topic: str = "",
-        *,
-        url: str | None = None,
-        events: str | None = None,
-        replay: str | None = None,
-        dp: int | None = None,
     ) -> None:
-        if url is not None:
-            _deprecated("url", "http_url")
-            http_url = url
-        if events is not None:
-            _deprecated("events", "events_endpoint")
-            events_endpoint = events
-        if replay is not None:
-            _deprecated("replay", "replay_endpoint")
-            replay_endpoint = replay
-        if dp is not None:
-            _deprecated("dp", "dp_size")
-            dp_size = dp
-        # an empty string means "not given", as the former serve spec wrote it
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "http_url", http_url.rstrip("/") if http_url else None)
         object.__setattr__(self, "events_endpoint", events_endpoint or None)
@@ -152,21 +124,8 @@ class EngineSpec:
         assert events is not None
         return events, offset_endpoint(self.replay_endpoint, rank)
 
-    @overload
-    def rank_endpoints(self) -> list[tuple[int, str, str | None]]: ...
-    @overload
-    def rank_endpoints(self, rank: int) -> tuple[str, str | None]: ...
-    def rank_endpoints(
-        self, rank: int | None = None
-    ) -> list[tuple[int, str, str | None]] | tuple[str, str | None]:
-        """``(rank, events_endpoint, replay_endpoint)`` of every DP rank, by vLLM's offsets.
-
-        ``rank_endpoints(rank)`` (the former serve spec's form) is deprecated: use
-        :meth:`endpoints_for_rank`.
-        """
-        if rank is not None:
-            _deprecated("rank_endpoints(rank)", "endpoints_for_rank(rank)")
-            return self.endpoints_for_rank(rank)
+    def rank_endpoints(self) -> list[tuple[int, str, str | None]]:
+        """``(rank, events_endpoint, replay_endpoint)`` of every DP rank, by vLLM's offsets."""
         return [(r, *self.endpoints_for_rank(r)) for r in range(self.dp_size)]
 
     def spec(self) -> str:
@@ -178,31 +137,6 @@ class EngineSpec:
         if self.topic:
             out += f";topic={self.topic}"
         return out
-
-    # --- deprecated names of the former kvevents.serve spec (one release) --------------
-    @property
-    def url(self) -> str:
-        """Deprecated: :attr:`http_url` (``""`` when there is none)."""
-        _deprecated("url", "http_url")
-        return self.http_url or ""
-
-    @property
-    def events(self) -> str:
-        """Deprecated: :attr:`events_endpoint` (``""`` when there is none)."""
-        _deprecated("events", "events_endpoint")
-        return self.events_endpoint or ""
-
-    @property
-    def replay(self) -> str | None:
-        """Deprecated: :attr:`replay_endpoint`."""
-        _deprecated("replay", "replay_endpoint")
-        return self.replay_endpoint
-
-    @property
-    def dp(self) -> int:
-        """Deprecated: :attr:`dp_size`."""
-        _deprecated("dp", "dp_size")
-        return self.dp_size
 
 
 def parse_engine_spec(

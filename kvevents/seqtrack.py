@@ -54,7 +54,6 @@ The rules:
 from __future__ import annotations
 
 import heapq
-import warnings
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -105,8 +104,7 @@ class StreamTracker(Generic[T]):
     from seq 0 (the default).  ``history`` is how many delivered seqs keep a fingerprint
     (and how far back lost ranges are remembered for ``late``); ``max_pending`` bounds
     the live batches buffered during a replay: beyond it the replay is abandoned, its
-    holes are reported lost and the buffer is released.  ``replay_from_start`` is the
-    deprecated name of ``catch_up``.  Raises :class:`~kvevents.errors.ConfigError` (a
+    holes are reported lost and the buffer is released.  Raises :class:`~kvevents.errors.ConfigError` (a
     ``ValueError``) for a bound below 1.
     """
 
@@ -117,17 +115,9 @@ class StreamTracker(Generic[T]):
         catch_up: bool = True,
         history: int = 4096,
         max_pending: int = 100_000,
-        replay_from_start: bool | None = None,
     ) -> None:
         if history < 1 or max_pending < 1:
             raise ConfigError(f"history and max_pending must be >= 1, got {history}, {max_pending}")
-        if replay_from_start is not None:
-            warnings.warn(
-                "replay_from_start is deprecated: catch-up is the default (catch_up=True)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            catch_up = replay_from_start
         self._replayable = replayable
         self._catch_up = catch_up
         self._history = history

@@ -17,7 +17,7 @@ object ``{"type": "kvevents-sim-tokenizer", "vocab_size": V}`` that ``kvevents s
 
 A core module (it imports only :mod:`kvevents.errors`): the simulator's engines and
 ``kvevents serve`` both tokenize with it, and the service must not load the simulator to
-do so.  ``kvevents.sim.tokenizer`` re-exports it.
+do so.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ builtin before (``ValueError``, ``TypeError``) still catch."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 import pytest
@@ -67,16 +66,12 @@ def test_a_closed_capture_reader_cannot_be_iterated(tmp_path: Path) -> None:
         iter(reader)
 
 
-def test_loop_thread_timeout_s_and_its_deprecated_name() -> None:
+def test_loop_thread_runs_a_coroutine_within_timeout_s() -> None:
     async def answer() -> int:
         return 42
 
     loop = LoopThread("test-loop")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert loop.run(answer(), timeout_s=5.0) == 42
-        with pytest.warns(DeprecationWarning, match="timeout_s"):
-            assert loop.run(answer(), timeout=5.0) == 42
+        assert loop.run(answer(), timeout_s=5.0) == 42
     finally:
         loop.close()

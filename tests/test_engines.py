@@ -1,6 +1,5 @@
 """The one engine spec (``kvevents.engines``) that ``serve``, ``relay`` and the CLI share:
-one parser, one set of errors, and the former ``kvevents.serve`` names kept working (with
-a ``DeprecationWarning``) for one release."""
+one parser and one set of errors."""
 
 from __future__ import annotations
 
@@ -67,20 +66,7 @@ def test_constructor_checks_what_the_parser_checks() -> None:
         EngineSpec("a", None, "tcp://h:2").http_base()
 
 
-def test_former_serve_names_warn_and_still_work() -> None:
-    spec = parse_engine_spec("a=http://h:1,tcp://h:2;dp=2")
-    with pytest.warns(DeprecationWarning, match="http_url"):
-        assert spec.url == "http://h:1"
-    with pytest.warns(DeprecationWarning, match="events_endpoint"):
-        assert spec.events == "tcp://h:2"
-    with pytest.warns(DeprecationWarning, match="replay_endpoint"):
-        assert spec.replay is None
-    with pytest.warns(DeprecationWarning, match="dp_size"):
-        assert spec.dp == 2
-    with pytest.warns(DeprecationWarning, match="endpoints_for_rank"):
-        assert spec.rank_endpoints(1) == ("tcp://h:3", None)
-    with pytest.warns(DeprecationWarning):
-        old = EngineSpec("a", url="http://h:1", events="tcp://h:2", dp=2)
-    assert old == spec
-    # the former serve spec wrote "no events endpoint" as ""
-    assert EngineSpec("a", "http://h:1", "").events_endpoint is None
+def test_an_empty_endpoint_means_none() -> None:
+    spec = EngineSpec("a", "http://h:1", "")
+    assert spec.events_endpoint is None and spec.replay_endpoint is None
+    assert not hasattr(spec, "dp") and not hasattr(spec, "url")

@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvevents import (
+from kvevents import AllBlocksCleared, FrameError, KVEventBatch, decode_batch, encode_batch
+from kvevents.codec import (
     END_SEQ,
-    AllBlocksCleared,
-    FrameError,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
     pack_live,
     pack_replay_end,
     pack_replay_reply,

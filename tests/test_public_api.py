@@ -19,6 +19,9 @@ PACKAGES = [
     "kvevents.consumers",
     "kvevents.sim",
     "kvevents.demo",
+    "kvevents.serve",
+    "kvevents.jetstream",
+    "kvevents.codec",
 ]
 
 DEMO_NAMES = {
@@ -72,9 +75,32 @@ def test_top_level_names() -> None:
         "decode_batch",
         "KVEventsError",
         "DecodeError",
-        "END_SEQ",
     ):
         assert name in kvevents.__all__
+
+
+def test_the_top_level_leaves_frames_to_the_codec() -> None:
+    """The ZMQ frame helpers are :mod:`kvevents.codec`'s; the top level does not repeat
+    them, nor the wire base classes an application never builds."""
+    import kvevents.codec
+
+    frames = {
+        "END_SEQ",
+        "LiveMessage",
+        "ReplayReply",
+        "pack_live",
+        "pack_replay_end",
+        "pack_replay_reply",
+        "pack_replay_request",
+        "pack_seq",
+        "parse_live",
+        "parse_replay_reply",
+        "parse_replay_request",
+        "unpack_seq",
+    }
+    assert frames <= set(kvevents.codec.__all__)
+    assert not (frames | {"EventBatch", "KVCacheEvent"}) & set(kvevents.__all__)
+    assert not any(hasattr(kvevents, name) for name in frames)
 
 
 def test_errors_share_one_root() -> None:
@@ -116,20 +142,8 @@ def test_the_demo_lives_above_the_simulator() -> None:
     assert not DEMO_NAMES & set(kvevents.sim.__all__)
     code = (
         "import sys, kvevents.sim;"
-        "loaded = [m for m in ('kvevents.demo', 'kvevents.sim.demo', 'kvevents.serve') "
+        "loaded = [m for m in ('kvevents.demo', 'kvevents.serve') "
         "if m in sys.modules];"
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_the_old_demo_path_still_imports_with_a_warning() -> None:
-    """``kvevents.sim.demo`` re-exports ``kvevents.demo`` (the same objects) and warns."""
-    import kvevents.demo
-
-    sys.modules.pop("kvevents.sim.demo", None)
-    with pytest.warns(DeprecationWarning, match="kvevents.demo"):
-        old = importlib.import_module("kvevents.sim.demo")
-    assert set(old.__all__) == DEMO_NAMES
-    for name in DEMO_NAMES:
-        assert getattr(old, name) is getattr(kvevents.demo, name)

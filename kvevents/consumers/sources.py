@@ -20,16 +20,11 @@ A relay reader (:mod:`kvevents.jetstream`) implements the same protocol.
 This module is the one import path for all of them; each lives in its own room:
 :mod:`~kvevents.consumers.source_protocol` (the protocol and message kinds),
 :mod:`~kvevents.consumers.zmq_source` and :mod:`~kvevents.consumers.capture_source`.
-``DEFAULT_MAX_MESSAGE_SIZE`` is the deprecated name of
-:data:`DEFAULT_MAX_MESSAGE_SIZE_BYTES`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvevents.consumers.capture_source import CaptureSource
-from kvevents.consumers.deprecated import warn_renamed
 from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
@@ -58,10 +53,3 @@ __all__ = [
     "ZmqSource",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """``DEFAULT_MAX_MESSAGE_SIZE``: the deprecated name of the byte limit's default."""
-    if name == "DEFAULT_MAX_MESSAGE_SIZE":
-        warn_renamed(name, "DEFAULT_MAX_MESSAGE_SIZE_BYTES", "kvevents.consumers.sources")
-        return DEFAULT_MAX_MESSAGE_SIZE_BYTES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

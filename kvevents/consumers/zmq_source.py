@@ -19,7 +19,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.codec import END_SEQ, pack_replay_request
-from kvevents.consumers.deprecated import renamed_kwargs, warn_renamed
 from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
@@ -57,7 +56,7 @@ _REDIAL_AFTER_S = 0.5
 # A read of the live socket also stops once this many payload bytes were read: the
 # messages of one read are decoded and held until the application takes them, and
 # holding hundreds of large decoded batches at once costs more (cache misses, garbage
-# collector passes over their lists) than the extra polls (docs/benchmarks.md:
+# collector passes over their lists) than the extra polls (measured:
 # 64-event batches were delivered ~2x faster with reads of ~4 of them than of 256).
 _DRAIN_BYTES = 64 << 10
 _EVENTS = int(zmq.EVENTS)
@@ -260,13 +259,7 @@ class ZmqSource:
         monitor: bool = True,
         curve: CurveClientConfig | None = None,
         replay_rcvhwm: int = 1_000,
-        **deprecated: Any,
     ) -> None:
-        if deprecated:
-            renamed = renamed_kwargs(
-                deprecated, {"max_message_size": "max_message_size_bytes"}, "ZmqSource"
-            )
-            max_message_size_bytes = renamed["max_message_size_bytes"]
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ConfigError(f"not a ZMQ endpoint: {endpoint!r}")
         self._by_topic: dict[bytes, str] = {}
@@ -316,12 +309,6 @@ class ZmqSource:
     def redial_at(self) -> float | None:
         """When :meth:`maintain` dials again (monotonic seconds), or None."""
         return self._link.redial_at
-
-    @property
-    def max_message_size(self) -> int:
-        """Deprecated name of :attr:`max_message_size_bytes`."""
-        warn_renamed("max_message_size", "max_message_size_bytes", "ZmqSource", stacklevel=3)
-        return self.max_message_size_bytes
 
     @property
     def can_replay(self) -> bool:
@@ -382,7 +369,7 @@ class ZmqSource:
         # recv_multipart's own loop, without its per-frame getsockopt(RCVMORE) (which
         # builds a SocketOption enum each time): a Frame carries ``more`` already, and
         # ``.bytes`` is the one copy that recv_multipart makes too (about 3.5 against
-        # 6 us per 3-frame message, measured in docs/benchmarks.md).
+        # 6 us per 3-frame message, measured on this traffic).
         sub = self._sub
         recv = sub.recv
         append = out.append

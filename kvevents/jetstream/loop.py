@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -32,22 +31,12 @@ class LoopThread:
         self,
         coro: Coroutine[Any, Any, T],
         timeout_s: float | None = None,
-        *,
-        timeout: float | None = None,
     ) -> T:
         """Run ``coro`` on the loop and return its result (re-raising its exception).
 
         Waits at most ``timeout_s`` seconds (None: for ever), then raises
-        ``concurrent.futures.TimeoutError``.  ``timeout`` is the deprecated name of ``timeout_s``.
+        ``concurrent.futures.TimeoutError``.
         """
-        if timeout is not None:
-            warnings.warn(
-                "LoopThread.run(timeout=) is deprecated; use timeout_s=",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if timeout_s is None:
-                timeout_s = timeout
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Any:

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,12 +110,12 @@ class JetStreamRelay:
 
     ``max_age_s`` / ``max_bytes`` bound a stream the relay creates; ``ack_timeout_s`` is how
     long one append waits for JetStream's acknowledgement before it is sent again;
-    ``chunk_batches`` is the most batches appended in one burst (``chunk`` is its deprecated
-    name); ``verify_timeout_s`` bounds the replay that checks, on start, whether an engine
-    still holds the stream's last batch; ``connect_window_s`` is how long the first
-    connection is tried before :class:`ConfigError` (``cannot reach nats://...``).  A
-    server lost later is reconnected to with backoff (:mod:`kvevents.jetstream.connection`)
-    while the batches wait; :meth:`run` returns once ``stop`` is set even then.
+    ``chunk_batches`` is the most batches appended in one burst; ``verify_timeout_s``
+    bounds the replay that checks, on start, whether an engine still holds the stream's
+    last batch; ``connect_window_s`` is how long the first connection is tried before
+    :class:`ConfigError` (``cannot reach nats://...``).  A server lost later is
+    reconnected to with backoff (:mod:`kvevents.jetstream.connection`) while the batches
+    wait; :meth:`run` returns once ``stop`` is set even then.
     """
 
     def __init__(
@@ -132,16 +131,8 @@ class JetStreamRelay:
         verify_timeout_s: float = 2.0,
         context: zmq.Context[Any] | None = None,
         subscriber_options: dict[str, Any] | None = None,
-        chunk: int | None = None,
         connect_window_s: float = 2.0,
     ) -> None:
-        if chunk is not None:
-            warnings.warn(
-                "JetStreamRelay(chunk=) is deprecated; use chunk_batches=",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            chunk_batches = chunk
         if not engines:
             raise ConfigError("the relay needs at least one engine")
         names = [e.name for e in engines]

@@ -1,4 +1,4 @@
-"""``kvevents serve``: an OpenAI-compatible, KV-aware routing service (DESIGN §8).
+"""``kvevents serve``: an OpenAI-compatible, KV-aware routing service.
 
 The configuration (:class:`ServeConfig`, :class:`EngineSpec`, :func:`load_config`,
 :func:`parse_engine_spec`) imports nothing beyond the core.  The service itself
@@ -8,7 +8,7 @@ httpx, prometheus-client): ``pip install 'kvevents[serve]'``.
 
 import importlib.util
 
-from kvevents.errors import ConfigError
+from kvevents import errors
 from kvevents.serve.config import (
     POLICIES,
     EngineSpec,
@@ -38,4 +38,4 @@ def require_serve_extra(what: str = "kvevents serve") -> None:
         if importlib.util.find_spec(m) is None
     ]
     if missing:
-        raise ConfigError(f"{what} needs {', '.join(missing)}: {_SERVE_EXTRA_HINT}")
+        raise errors.ConfigError(f"{what} needs {', '.join(missing)}: {_SERVE_EXTRA_HINT}")

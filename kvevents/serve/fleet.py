@@ -305,7 +305,7 @@ class Fleet:
             state = best
         if state is None:
             return None
-        if dp_rank != state.rank and state.rank == 0 and state.engine.dp == 1:
+        if dp_rank != state.rank and state.rank == 0 and state.engine.dp_size == 1:
             return state  # one publisher for several ranks would name them in batches
         return state
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import warnings
 from collections.abc import Coroutine
 from dataclasses import replace
 from types import TracebackType
@@ -72,18 +71,9 @@ class LocalStack:
         self,
         coro: Coroutine[Any, Any, T],
         timeout_s: float | None = 30.0,
-        *,
-        timeout: float | None = None,
     ) -> T:
         """Run ``coro`` on the stack's loop and wait up to ``timeout_s`` seconds (None:
-        for ever) for its result.  ``timeout`` is the deprecated name of ``timeout_s``."""
-        if timeout is not None:
-            warnings.warn(
-                "LocalStack.call(timeout=...) is deprecated; use timeout_s",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            timeout_s = timeout
+        for ever) for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def start(self) -> LocalStack:

@@ -310,7 +310,7 @@ class SimOffload:
         spec = out.store_spec
         if not isinstance(spec, CPULoadStoreSpec):
             raise OffloadError("the manager's store spec is not a CPU chunk spec")
-        chunk_ids = [int(i) for i in spec.chunk_ids]
+        chunk_ids = [int(i) for i in spec.block_ids]
         if self.worker is not None:
             bpc = self.blocks_per_chunk
             for g in range(len(self.block_sizes)):

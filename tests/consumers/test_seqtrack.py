@@ -230,8 +230,6 @@ def test_a_new_stream_is_caught_up_and_missed_history_is_reported():
     assert kinds(t.replay_end(2)) == ["unrecoverable_loss:6-6", "D7"]
     off: StreamTracker[Item] = StreamTracker(catch_up=False)
     assert live(off, 7) == ["history_missed:0-6", "D7"]
-    with pytest.warns(DeprecationWarning):
-        StreamTracker(replay_from_start=True)
 
 
 def test_catch_up_before_any_live_batch_and_an_empty_ring():

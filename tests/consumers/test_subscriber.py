@@ -19,7 +19,6 @@ from kvevents.consumers import (
     ReceivedBatch,
     Subscriber,
     ZmqSource,
-    sources,
 )
 from kvevents.errors import ConfigError
 
@@ -154,18 +153,6 @@ def test_replay_buffer_too_small_reports_unrecoverable_loss():
     # The loss is reported before anything after it is applied.
     assert items.index(losses[0]) < items.index(got[2])
     assert sub.stats.lost_batches == 4
-
-
-def test_late_joiner_catches_up_through_the_deprecated_replay_from_start():
-    with FaultyPublisher() as pub:
-        early = pub.publish_many(make_batch(i) for i in range(25))  # nobody listening
-        with pytest.warns(DeprecationWarning), connect(pub, replay_from_start=True) as sub:
-            late = pub.publish_many(make_batch(i) for i in range(25, 30))
-            items = drain(sub, got_seq(29))
-    got = batches_of(items)
-    assert [(b.seq, b.payload) for b in got] == early + late
-    assert all(b.replayed for b in got[:25])
-    assert anomalies_of(items) == []
 
 
 def test_late_joiner_catches_up_before_any_new_traffic():
@@ -420,41 +407,13 @@ def test_configuration_errors_are_clear():
         Subscriber("tcp://127.0.0.1:1", replay_timeout_s=0)
 
 
-def test_deprecated_option_names_still_work_and_warn():
-    """The names without a unit are accepted for one release, with a DeprecationWarning
-    that points at the caller, and mean what the new names mean."""
-    with pytest.warns(DeprecationWarning) as rec:
-        sub = Subscriber(
-            "tcp://127.0.0.1:1",
-            replay_timeout=2.5,
-            replay_cooldown=7,
-            max_message_size=1024,
-            catch_up=False,
-        )
-    try:
-        assert {str(w.message).split("'")[1] for w in rec} == {
-            "replay_timeout",
-            "replay_cooldown",
-            "max_message_size",
-        }
-        assert all(w.filename == __file__ for w in rec)
-        assert (sub.replay_timeout_s, sub.replay_cooldown_s) == (2.5, 7)
-        src = sub.sources[0]
-        assert isinstance(src, ZmqSource) and src.max_message_size_bytes == 1024
-        with pytest.warns(DeprecationWarning, match="replay_timeout_s"):
-            assert sub.replay_timeout == 2.5
-        with pytest.warns(DeprecationWarning, match="replay_cooldown_s"):
-            assert sub.replay_cooldown == 7
-        with pytest.warns(DeprecationWarning, match="max_message_size_bytes"):
-            assert src.max_message_size == 1024
-    finally:
-        sub.close()
-    with pytest.warns(DeprecationWarning, match="max_message_size_bytes"):
-        ZmqSource("tcp://127.0.0.1:1", max_message_size=0).close()
-    with pytest.warns(DeprecationWarning, match="DEFAULT_MAX_MESSAGE_SIZE_BYTES"):
-        assert sources.DEFAULT_MAX_MESSAGE_SIZE == sources.DEFAULT_MAX_MESSAGE_SIZE_BYTES
-    with pytest.raises(TypeError, match="replay_timout"):
-        Subscriber("tcp://127.0.0.1:1", replay_timout=1)
+def test_an_unknown_option_name_is_a_type_error():
+    """Only the unit-suffixed names exist: a unit-less or misspelt one is refused at once."""
+    for name in ("replay_timout", "replay_timeout", "max_message_size", "replay_from_start"):
+        with pytest.raises(TypeError, match=name):
+            Subscriber("tcp://127.0.0.1:1", **{name: 1})
+    with pytest.raises(TypeError, match="max_message_size"):
+        ZmqSource("tcp://127.0.0.1:1", max_message_size=0)  # type: ignore[call-arg]
 
 
 def test_source_objects_and_topic_filtering():

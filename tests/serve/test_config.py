@@ -14,14 +14,14 @@ def test_engine_spec_full() -> None:
     e = parse_engine_spec("gpu-a_1=http://h:8000/,tcp://h:5557,tcp://h:5558;dp=4;topic=kv")
     assert e == EngineSpec("gpu-a_1", "http://h:8000", "tcp://h:5557", "tcp://h:5558", 4, "kv")
     # vLLM's offset rule for data-parallel ranks, on both endpoints
-    assert e.rank_endpoints(0) == ("tcp://h:5557", "tcp://h:5558")
-    assert e.rank_endpoints(3) == ("tcp://h:5560", "tcp://h:5561")
+    assert e.endpoints_for_rank(0) == ("tcp://h:5557", "tcp://h:5558")
+    assert e.endpoints_for_rank(3) == ("tcp://h:5560", "tcp://h:5561")
     assert parse_engine_spec(e.spec()) == e
 
 
 def test_engine_spec_without_replay() -> None:
     e = parse_engine_spec("a=http://h:1,tcp://h:2")
-    assert e.replay is None and e.dp == 1 and e.topic == ""
+    assert e.replay_endpoint is None and e.dp_size == 1 and e.topic == ""
 
 
 @pytest.mark.parametrize(
@@ -45,13 +45,13 @@ def test_engine_spec_errors(bad: str) -> None:
 
 def test_an_engine_without_events_is_refused_unless_they_come_from_jetstream() -> None:
     """``NAME=HTTP_URL`` parses (``serve --nats``), but a service reading ZMQ refuses it."""
-    assert parse_engine_spec("a=http://h:1").events == ""
+    assert parse_engine_spec("a=http://h:1").events_endpoint is None
     with pytest.raises(ConfigError, match="no events endpoint"):
         load_config(engines=["a=http://h:1"], environ={})
     config = load_config(
         engines=["a=http://h:1"], options={"nats_url": "nats://h:4222"}, environ={}
     )
-    assert config.engines[0].url == "http://h:1" and config.nats_url == "nats://h:4222"
+    assert config.engines[0].http_url == "http://h:1" and config.nats_url == "nats://h:4222"
 
 
 def test_toml_env_and_command_line(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_toml_env_and_command_line(tmp_path: Path) -> None:
     )
     cfg = load_config(config_file=str(f), environ={})
     assert cfg.port == 9000 and cfg.policy == "round-robin"
-    assert [e.name for e in cfg.engines] == ["a", "b"] and cfg.engines[1].dp == 2
+    assert [e.name for e in cfg.engines] == ["a", "b"] and cfg.engines[1].dp_size == 2
     # the environment overrides the file, the command line overrides both
     env = {"KVEVENTS_SERVE_PORT": "9100", "KVEVENTS_SERVE_POLICY": "random"}
     cfg = load_config(config_file=str(f), environ=env)
@@ -143,7 +143,7 @@ def test_library_imports_without_the_extra() -> None:
 
 def test_local_tokenizer_files(tmp_path: Path) -> None:
     from kvevents.serve.tokens import LocalTokenizer
-    from kvevents.sim.tokenizer import SimTokenizer
+    from kvevents.tokenizer import SimTokenizer
 
     with pytest.raises(ConfigError, match="cannot read"):
         LocalTokenizer(str(tmp_path / "missing.json"))

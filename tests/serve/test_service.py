@@ -326,7 +326,7 @@ def test_cache_salt_is_keyed(stack: LocalStack) -> None:
 
 
 def test_local_tokenizer_gives_the_engines_tokens(tmp_path: pytest.TempPathFactory) -> None:
-    from kvevents.sim.tokenizer import SimTokenizer
+    from kvevents.tokenizer import SimTokenizer
 
     path = str(tmp_path / "tok.json")  # type: ignore[operator]
     SimTokenizer().save(path)

@@ -16,7 +16,7 @@ import httpx
 from kvevents.serve.app import parse_engine_metrics
 from kvevents.serve.stack import LocalStack
 from kvevents.sim.http import SimHTTPConfig
-from kvevents.sim.tokenizer import SimTokenizer
+from kvevents.tokenizer import SimTokenizer
 
 TOK = SimTokenizer()
 words = st.text(alphabet="abc <|>\n", min_size=0, max_size=30)

@@ -60,7 +60,7 @@ asyncio use :class:`~kvevents.consumers.aio.AsyncSubscriber`, which drives the s
 
 **Rooms.**  This package is the one import path; each job has its own module:
 ``items`` (the values handed out and the counters), ``options`` (settings, their checks
-and deprecated names, opening sources), ``streams`` (the shared tables and the replay
+and opening sources), ``streams`` (the shared tables and the replay
 adapters of a source), ``table`` (naming, decoding, new streams), ``outbox`` (tracker
 actions to items), ``replay`` (replay scheduling, deadlines, catch-up requests),
 ``replies`` (replies, end markers and connection events to the streams), ``inband``

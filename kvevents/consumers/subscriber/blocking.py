@@ -32,8 +32,8 @@ class Subscriber(SubscriberCore):
     a shared endpoint).
 
     Options: ``catch_up`` (default True) replays every new stream from the oldest seq its
-    publisher holds and asks each replay endpoint for its ring at start
-    (``replay_from_start`` is its deprecated alias); ``replay_timeout_s`` bounds how
+    publisher holds and asks each replay endpoint for its ring at start;
+    ``replay_timeout_s`` bounds how
     long a worker's stream may wait on a replay that makes no progress (to start,
     including queueing, and between two replies); ``max_concurrent_replays`` bounds
     replays in flight over all sources; ``replay_cooldown_s`` is how long a replay
@@ -57,10 +57,7 @@ class Subscriber(SubscriberCore):
     own, closed with the subscriber).  The soft open-file limit is raised, up to
     the hard one, when about four descriptors per connection would not fit.  A wait
     costs the same whatever the number of sources: their sockets are registered once
-    with the platform's selector.  Durations are seconds.  ``replay_timeout``,
-    ``replay_cooldown`` and
-    ``max_message_size`` are the deprecated names of the unit-suffixed options (one
-    release, with a :class:`DeprecationWarning`).
+    with the platform's selector.  Durations are seconds.
     """
 
     def __init__(
@@ -79,7 +76,7 @@ class Subscriber(SubscriberCore):
 
         This is :meth:`~SubscriberCore.receiving`'s loop with the wait in place of its
         yields: driving the generator (a ``send`` and a ``StopIteration`` a wake-up) cost
-        about 3 % of a wake-up's instructions (docs/benchmarks.md)."""
+        about 3 % of a wake-up's instructions, measured)."""
         out = self._out
         if out:  # the common case: processed and waiting
             return out.popleft()

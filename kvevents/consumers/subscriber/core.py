@@ -20,7 +20,6 @@ from typing import Any
 import zmq
 
 from kvevents.codec import BatchDecoder
-from kvevents.consumers.deprecated import warn_renamed
 from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
@@ -47,7 +46,6 @@ from kvevents.consumers.subscriber.options import (
     ReplaySpec,
     SubscriberOptions,
     open_sources,
-    resolve_deprecated,
     zmq_links,
 )
 from kvevents.consumers.subscriber.outbox import Outbox
@@ -94,10 +92,7 @@ class SubscriberCore:
       sockets itself;
     * :meth:`finished` / :attr:`closed` / :meth:`close`.
 
-    Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`.  Old option names
-    (``replay_timeout``, ``replay_cooldown``, ``max_message_size``,
-    ``replay_from_start``) are accepted for one release with a
-    :class:`DeprecationWarning`.
+    Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`.
     """
 
     def __init__(
@@ -121,7 +116,6 @@ class SubscriberCore:
         max_replay_batches: int = 1_000_000,
         receive_batch: int = 128,
         inband_window: int = 1024,
-        **deprecated: Any,
     ) -> None:
         self._closed = True  # until the sources are open
         settings: dict[str, Any] = {
@@ -138,11 +132,6 @@ class SubscriberCore:
             "receive_batch": receive_batch,
             "inband_window": inband_window,
         }
-        if deprecated:
-            renamed, replay_from_start = resolve_deprecated(deprecated, type(self).__name__)
-            settings.update(renamed)
-            if replay_from_start is not None:
-                settings["catch_up"] = bool(replay_from_start) or catch_up
         self.options = options = SubscriberOptions(**settings)
         """The checked settings (read-only: the rooms were built from them)."""
         self.catch_up = options.catch_up
@@ -215,19 +204,6 @@ class SubscriberCore:
             self._replays.catch_up_sources()
             self._waits.settle(self._replays.touched)
         self._replays.touched.clear()
-
-    # --- deprecated names -------------------------------------------------------------
-    @property
-    def replay_timeout(self) -> float:
-        """Deprecated name of :attr:`replay_timeout_s`."""
-        warn_renamed("replay_timeout", "replay_timeout_s", type(self).__name__)
-        return self.options.replay_timeout_s
-
-    @property
-    def replay_cooldown(self) -> float:
-        """Deprecated name of :attr:`replay_cooldown_s`."""
-        warn_renamed("replay_cooldown", "replay_cooldown_s", type(self).__name__)
-        return self.options.replay_cooldown_s
 
     # --- the driving interface ----------------------------------------------------------
     @property

@@ -2,16 +2,12 @@
 in every duration and size name) and :func:`open_sources` (endpoint strings to
 :class:`~kvevents.consumers.sources.Source` objects).
 
-One job: turn what a user passes into checked settings and open sources.  The old names
-``replay_timeout``, ``replay_cooldown`` and ``max_message_size`` are accepted for one
-release with a :class:`DeprecationWarning` (:data:`RENAMED_OPTIONS`), as is
-``replay_from_start`` (now ``catch_up``).  May import :mod:`kvevents.consumers.sources`,
+One job: turn what a user passes into checked settings and open sources.  May import :mod:`kvevents.consumers.sources`,
 :mod:`kvevents.security` and :mod:`kvevents.errors`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -19,7 +15,6 @@ from typing import Any, Union
 import zmq
 
 from kvevents.consumers.capture_source import CaptureSource
-from kvevents.consumers.deprecated import renamed_kwargs
 from kvevents.consumers.source_protocol import Source
 from kvevents.consumers.subscriber.items import DEFAULT_STALE_AFTER_S
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES, ZmqSource
@@ -27,12 +22,10 @@ from kvevents.errors import ConfigError
 from kvevents.security import CurveClientConfig
 
 __all__ = [
-    "RENAMED_OPTIONS",
     "EndpointSpec",
     "ReplaySpec",
     "SubscriberOptions",
     "open_sources",
-    "resolve_deprecated",
     "zmq_links",
 ]
 
@@ -41,14 +34,6 @@ EndpointSpec = Union[str, Source]
 
 ReplaySpec = Union[Sequence[Union[str, None]], Mapping[str, str], None]
 """Replay endpoints: aligned with the endpoints, or keyed by endpoint / ``endpoint#topic``."""
-
-RENAMED_OPTIONS: Mapping[str, str] = {
-    "replay_timeout": "replay_timeout_s",
-    "replay_cooldown": "replay_cooldown_s",
-    "max_message_size": "max_message_size_bytes",
-}
-"""Deprecated option names (one release) and the names that replaced them."""
-
 
 @dataclass(frozen=True)
 class SubscriberOptions:
@@ -79,25 +64,6 @@ class SubscriberOptions:
             raise ConfigError("replay_cooldown_s must be >= 0")
         if self.stale_after_s is not None and self.stale_after_s <= 0:
             raise ConfigError(f"stale_after_s must be > 0 or None, got {self.stale_after_s}")
-
-
-def resolve_deprecated(
-    deprecated: Mapping[str, Any], where: str, *, frames_up: int = 2
-) -> tuple[dict[str, Any], bool | None]:
-    """Split the deprecated keywords a subscriber got into ``(new name -> value,
-    replay_from_start or None)``, warning for each; :class:`TypeError` for an unknown
-    keyword.  ``frames_up``: how many frames above the caller of this function the
-    user's call is (2: a wrapper's ``__init__`` calls the core's, which calls this)."""
-    given = dict(deprecated)
-    replay_from_start = given.pop("replay_from_start", None)
-    if replay_from_start is not None:
-        warnings.warn(
-            "replay_from_start is deprecated: catch-up is the default (catch_up=True)",
-            DeprecationWarning,
-            stacklevel=2 + frames_up,
-        )
-    renamed = renamed_kwargs(given, RENAMED_OPTIONS, where, stacklevel=4 + frames_up)
-    return renamed, replay_from_start
 
 
 def open_sources(

@@ -159,11 +159,6 @@ class CPULoadStoreSpec(LoadStoreSpec):
     def __init__(self, chunk_ids: Sequence[int] | npt.NDArray[Any] = ()) -> None:
         self.block_ids: npt.NDArray[np.int32] = _as_int32(chunk_ids)
 
-    @property
-    def chunk_ids(self) -> npt.NDArray[np.int32]:
-        """Alias of :attr:`block_ids`."""
-        return self.block_ids
-
     def __len__(self) -> int:
         return int(self.block_ids.size)
 

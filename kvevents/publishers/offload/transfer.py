@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -180,7 +179,7 @@ _SUB_ROW_BYTES = 64 << 10
 # A CPU transfer whose rows are split into several runs on both sides copies a tensor's
 # share of up to this many bytes in two calls, through a staging buffer that stays in
 # the caches (an index_select, then an index_copy_), instead of one torch call (3-4 us)
-# per run; figures in docs/benchmarks.md ("Copies on torch's own threads").
+# per run (the commit that added it records the A/B figures).
 _STAGED_BYTES = 8 << 20
 # A CPU transfer of at most this many bytes (all tensors) is copied with one NumPy
 # fancy-index assignment per tensor on the calling thread: fixed costs dominate there.
@@ -277,15 +276,7 @@ class CPUTransferWorker:
         *,
         pin_memory: bool | None = None,
         buffers: HostChunkBuffers | None = None,
-        copy_threads: int | None = None,
     ) -> None:
-        if copy_threads is not None:
-            warnings.warn(
-                "CPUTransferWorker(copy_threads=...) is deprecated and ignored: CPU copies run "
-                "on torch's intra-op threads (set them with torch.set_num_threads)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         if buffers is None:
             if kv_caches is None:
                 raise OffloadError("give kv_caches and num_chunks, or buffers")

@@ -16,7 +16,7 @@ server answers:
 Time is simulated: the engine steps while it has work, each step lasting
 ``step_s + prefill_s_per_token × tokens prefilled in it``; a running request emits
 ``decode_tokens_per_step`` output tokens per step.  Tokens come from
-:class:`~kvevents.sim.tokenizer.SimTokenizer` (deterministic, prefix-stable) and the
+:class:`~kvevents.tokenizer.SimTokenizer` (deterministic, prefix-stable) and the
 answer to a prompt is a deterministic function of it.
 
 Needs the ``serve`` extra (Starlette, uvicorn).

@@ -37,8 +37,8 @@ from kvevents.sim.http.openai import (
     usage_body,
 )
 from kvevents.sim.http.routes import build_app
-from kvevents.sim.tokenizer import SimTokenizer
 from kvevents.sim.workload import SimRequest
+from kvevents.tokenizer import SimTokenizer
 
 __all__ = ["SimHTTPEngine"]
 

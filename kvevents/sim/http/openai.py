@@ -17,7 +17,7 @@ from typing import Any
 
 from kvevents.errors import KVEventsError
 from kvevents.sim.engine import RequestResult
-from kvevents.sim.tokenizer import SimTokenizer
+from kvevents.tokenizer import SimTokenizer
 
 __all__ = [
     "Pending",

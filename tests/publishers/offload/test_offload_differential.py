@@ -597,7 +597,7 @@ def run_sequence(
             if got is not None:
                 spec = got.store_spec
                 assert isinstance(spec, CPULoadStoreSpec)
-                got_out = (got.keys_to_store, spec.chunk_ids.tolist(), got.evicted_keys)
+                got_out = (got.keys_to_store, spec.block_ids.tolist(), got.evicted_keys)
             check("prepare_store", got_out, want)
             if want is not None and want[0]:
                 store_jobs.append(list(want[0]))

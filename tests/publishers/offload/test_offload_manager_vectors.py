@@ -121,7 +121,7 @@ def test_contract_script_step_by_step(policy: str) -> None:
         assert ids_of(list(arc.t2)) == [7, 6, 5]  # 5 is MRU
         assert ids_of(list(arc.b1)) == [2, 3, 4, 8]
         assert ids_of(list(arc.b2)) == []
-        assert arc.p == 0.0
+        assert arc.target_t1_size == 0.0
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -234,14 +234,14 @@ def test_arc_adaptation_vector() -> None:
     ctx = ReqContext()
     store(m, [1, 2], ctx)
     m.complete_store(Ks(1, 2), ctx)
-    assert ids_of(list(arc.t1)) == [1, 2] and arc.p == 0.0
+    assert ids_of(list(arc.t1)) == [1, 2] and arc.target_t1_size == 0.0
     # 1
     assert store(m, [3], ctx) == ([0], [1])
     assert ids_of(list(arc.b1)) == [1]
     m.complete_store([K(3)], ctx)
     # 2: B1 ghost hit
     m.touch([K(1)], ctx)
-    assert arc.p == 1.0
+    assert arc.target_t1_size == 1.0
     # 3
     m.touch([K(2)], ctx)
     assert ids_of(list(arc.t1)) == [3] and ids_of(list(arc.t2)) == [2]

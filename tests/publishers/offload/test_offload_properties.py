@@ -191,7 +191,7 @@ class ARCMachine(PolicyMachine):
         assert not (t1 & t2) and not (b1 & b2)
         assert not ((t1 | t2) & (b1 | b2))  # ghosts hold no resident key
         assert len(b1) <= self.capacity and len(b2) <= self.capacity
-        assert 0.0 <= arc.p <= self.capacity
+        assert 0.0 <= arc.target_t1_size <= self.capacity
         assert all(arc.t2[k].ref_cnt >= 0 for k in t2)  # only ready keys are promoted
 
 

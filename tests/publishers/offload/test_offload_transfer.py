@@ -308,15 +308,6 @@ def test_scattered_on_both_sides_goes_through_the_reused_staging_buffer_exactly(
             assert torch.equal(host[row], dev[block])
 
 
-def test_copy_threads_is_deprecated_and_ignored() -> None:
-    layers = [torch.randn(4, 8)]
-    with pytest.warns(DeprecationWarning, match="copy_threads"):
-        worker = CPUTransferWorker(layers, num_chunks=2, copy_threads=3)
-    worker.submit_store(0, [2, 0], CPULoadStoreSpec([1, 0]))
-    assert [r.success for r in worker.get_finished()] == [True]
-    assert torch.equal(worker.buffers.host_rows[0][0], layers[0].view(torch.int8)[0])
-
-
 def test_partial_first_chunk_skip() -> None:
     layers = kv_layers("cpu", num_blocks=8, layers=1)
     worker = CPUTransferWorker(layers, num_chunks=2, blocks_per_chunk=4)

@@ -41,11 +41,6 @@ class ARCCachePolicy(CachePolicy):
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
-    @property
-    def p(self) -> float:
-        """The adaptive target size of T1 (alias of ``target_t1_size``)."""
-        return self.target_t1_size
-
     # --- membership --------------------------------------------------------------------
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
