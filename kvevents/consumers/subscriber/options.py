@@ -35,6 +35,7 @@ EndpointSpec = Union[str, Source]
 ReplaySpec = Union[Sequence[Union[str, None]], Mapping[str, str], None]
 """Replay endpoints: aligned with the endpoints, or keyed by endpoint / ``endpoint#topic``."""
 
+
 @dataclass(frozen=True)
 class SubscriberOptions:
     """Every setting of a subscriber, checked on construction (a bad value raises
