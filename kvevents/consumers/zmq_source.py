@@ -447,16 +447,7 @@ class ZmqSource:
             raise ConfigError(f"{self.name}: no replay endpoint for topic {topic!r}")
         entry = self._dealers.get(channel)
         if entry is None:
-            dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            # Bounded: beyond it ZMQ stops reading the connection (flow control, no
-            # loss), so a peer that floods replies cannot grow this process's memory.
-            dealer.setsockopt(zmq.RCVHWM, self.replay_rcvhwm)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size_bytes)
-            apply_curve_client(dealer, self._curve)
-            enable_ipv6_if_needed(dealer, channel)
-            mon = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self._want_monitor else None
-            dealer.connect(channel)
+            dealer, mon = self._open_dealer(channel)
             entry = self._dealers[channel] = (
                 dealer,
                 mon,
@@ -468,6 +459,33 @@ class ZmqSource:
             # Not connected yet and nothing queued: the request is lost; the caller's
             # timeout reports it.
             logger.debug("%s: replay request not queued (endpoint unreachable)", self.name)
+
+    def _open_dealer(self, channel: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """A DEALER connected to ``channel`` and its monitor (None when unmonitored).
+        Raises :class:`~kvevents.errors.ConfigError` (the CURVE keys cannot be read any
+        more, the endpoint cannot be dialled) with both sockets closed."""
+        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        mon: zmq.Socket[bytes] | None = None
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            # Bounded: beyond it ZMQ stops reading the connection (flow control, no
+            # loss), so a peer that floods replies cannot grow this process's memory.
+            dealer.setsockopt(zmq.RCVHWM, self.replay_rcvhwm)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size_bytes)
+            apply_curve_client(dealer, self._curve)
+            enable_ipv6_if_needed(dealer, channel)
+            if self._want_monitor:
+                mon = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            dealer.connect(channel)
+        except BaseException as exc:
+            if mon is not None:
+                dealer.disable_monitor()
+                mon.close(0)
+            dealer.close(0)
+            if isinstance(exc, zmq.ZMQError):
+                raise ConfigError(f"{self.name}: cannot open {channel!r}: {exc}") from exc
+            raise
+        return dealer, mon
 
     def cancel_replay(self, topic: bytes | None = None) -> None:
         """Close the DEALER of ``topic``'s channel (None: every channel)."""

@@ -274,3 +274,35 @@ def test_a_read_of_large_messages_stops_at_its_byte_budget_and_nothing_is_left_b
             assert [x.batch for x in items if isinstance(x, ReceivedBatch)] == batches
     finally:
         pub.close(0)
+
+
+def test_a_replay_dealer_whose_curve_keys_fail_is_closed(tmp_path):
+    """The CURVE key files are read when a replay DEALER opens; when that fails (a key
+    rotated away since the source opened) the request raises a clear error and the
+    DEALER does not outlive it: the source's context can still terminate."""
+    import threading
+
+    import zmq
+    import zmq.auth
+
+    from kvevents.security import CurveClientConfig
+
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    _, server_secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    _, client_secret = zmq.auth.create_certificates(str(tmp_path), "client")
+    curve = CurveClientConfig(client_secret, server_secret)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    src = ZmqSource(
+        "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2", context=ctx, curve=curve
+    )
+    os.remove(client_secret)
+    with pytest.raises(ConfigError, match="secret key file") as raised:
+        src.request_replay(0)
+    src.close()
+    # (the error is kept, as a caller that logs or stores it would: whatever its frames
+    # still reference must be closed already, not left to the garbage collector)
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    assert done.wait(10), "a socket of the source was left open: the context cannot end"
+    assert raised.value is not None

@@ -30,6 +30,7 @@ from kvevents.consumers.subscriber.streams import (
     request_replay,
 )
 from kvevents.consumers.subscriber.table import StreamTable
+from kvevents.errors import KVEventsError
 
 __all__ = ["RESENDS", "ReplayScheduler"]
 
@@ -317,7 +318,15 @@ class ReplayScheduler:
                 if self.in_flight >= self.max_concurrent_replays:
                     break
                 src = self._by_name[ck[0]]
-                request_replay(src, job.start, job.topic)
+                try:
+                    request_replay(src, job.start, job.topic)
+                except KVEventsError as exc:  # (e.g. CURVE keys no longer readable)
+                    queue.popleft()
+                    self.outbox.stats.replays["request_failed"] += 1
+                    detail = f"replay request failed: {exc}"
+                    self.outbox.log.warning(f"request_failed:{ck}", "%s: %s", ck[1], detail)
+                    self._fail_job(job, detail, conclusive=False)
+                    continue
                 self.touched.append(src)
                 job.sent = True
                 job.deadline = now + self.replay_timeout_s
