@@ -62,12 +62,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from kvevents import __version__
+    from kvevents.native import core_name
 
     parser = _Parser(
         prog="kvevents",
         description="Record, inspect and replay vLLM KV-cache event streams; run the demo.",
     )
-    parser.add_argument("--version", action="version", version=f"kvevents {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"kvevents {__version__} (core: {core_name()})"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser(

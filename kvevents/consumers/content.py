@@ -57,6 +57,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest as _xxh
 
 from kvevents.errors import ConfigError
+from kvevents.native import NATIVE
 from kvevents.request import RequestKey, embeds_digest
 
 __all__ = [
@@ -243,8 +244,18 @@ def lookahead_mm(extras: EventExtras | None, block_size: int) -> list[tuple[str,
 def prompt_keys(
     tokens: Sequence[int], unit: int, lora_name: str | None = None, cache_salt: str | None = None
 ) -> list[int]:
-    """Keys of every whole canonical unit of a prompt: ``keys[j]`` covers tokens ``[0, (j+1)·unit)``."""
+    """Keys of every whole canonical unit of a prompt: ``keys[j]`` covers tokens ``[0, (j+1)·unit)``.
+
+    The compiled core computes the same keys when it runs (:mod:`kvevents.native`)."""
     k = root_key(lora_name, cache_salt)
+    if NATIVE is not None and unit > 0:
+        try:
+            keys: list[int] = NATIVE.prompt_keys(tokens, unit, k)
+        except (TypeError, OverflowError) as exc:
+            raise ConfigError(
+                f"token ids must be integers in the signed 64-bit range: {exc}"
+            ) from exc
+        return keys
     out: list[int] = []
     append = out.append
     width = 8 * unit

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvevents.native import core_name
 from kvevents.serve.config import ServeConfig
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.proxy import Forwarder
@@ -126,6 +127,7 @@ class WorkersReport:
             "time": now,
             "uptime_s": round(now - self.started, 1),
             "policy": self.config.policy,
+            "core": core_name(),
             "ready": not self.fleet.not_ready(),
             "requests": self.forwarder.requests_total,
             "consumer_error": None if self.fleet.error is None else repr(self.fleet.error),

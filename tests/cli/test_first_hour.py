@@ -16,6 +16,7 @@ import kvevents.demo as demo_module
 from kvevents.capture import CaptureWriter, read_capture
 from kvevents.cli import main
 from kvevents.errors import MissingDependencyError
+from kvevents.native import core_name
 
 from ._run import env, on_terminal, without
 from ._run import kvevents as run_kvevents
@@ -26,7 +27,8 @@ QUICK = ["demo", "--quick", "--requests", "24", "--plot", ""]
 
 def test_version_and_python_dash_m() -> None:
     got = run_kvevents("--version")
-    assert got.returncode == 0 and got.stdout.strip() == f"kvevents {kvevents.__version__}"
+    assert got.returncode == 0
+    assert got.stdout.strip() == f"kvevents {kvevents.__version__} (core: {core_name()})"
     got = run_kvevents("inspect", str(SAMPLE), "--limit", "1")
     assert got.returncode == 0 and "BlockStored" in got.stdout
 

@@ -16,6 +16,7 @@ pytest.importorskip("uvicorn")
 import httpx
 from _ports import free_port_block
 
+from kvevents.native import core_name
 from kvevents.serve import ServeConfig
 from kvevents.serve.stack import LocalStack
 from kvevents.sim.http import SimHTTPConfig
@@ -87,7 +88,9 @@ def test_follow_up_goes_where_the_index_says_and_prediction_is_exact(stack: Loca
         reported = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         predicted = ranked[0]["gpu"] + ranked[0]["cpu"] + ranked[0]["storage"]
         assert reported == predicted > 0
-        w = {x["worker"]: x for x in c.get("/workers").json()["workers"]}[worker]
+        everything = c.get("/workers").json()
+        assert everything["core"] == core_name()  # which core the service runs
+        w = {x["worker"]: x for x in everything["workers"]}[worker]
         assert w["truth"]["exact"] == 2 and w["truth"]["over"] == w["truth"]["under"] == 0
         assert w["reported_cached_tokens"] == reported and w["routed"] == 2
         assert w["state"] == "live"

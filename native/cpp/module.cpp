@@ -1,0 +1,254 @@
+// kvevents-native: the Python module (nanobind).
+//
+// One job: expose the wire parser (parse_batch -> ParsedBatch or None) and the content-key
+// kernels (prompt_keys, chain_units, ParsedBatch.block_keys) to kvevents.  Python objects
+// are built only when asked for (ParsedBatch.event, for the differential tests and the
+// fallback); the parse itself allocates none.
+#include <nanobind/nanobind.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "keys.hpp"
+#include "wire.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+// A parsed payload: the flat batch plus the bytes its spans point into.
+class ParsedBatch {
+ public:
+  ParsedBatch(nb::object owner, const uint8_t* data, size_t n, kvn::Batch&& b)
+      : owner_(std::move(owner)), data_(data), n_(n), b_(std::move(b)) {}
+
+  double ts() const { return b_.ts; }
+  nb::object rank() const {
+    return b_.has_rank ? nb::steal(PyLong_FromLongLong(b_.rank)) : nb::none();
+  }
+  size_t len() const { return b_.events.size(); }
+  uint64_t block_events() const { return b_.block_events; }
+
+  // 0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared
+  int kind(size_t i) const { return static_cast<int>(at(i).kind); }
+
+  // The event's fields as a tuple: (tag, *fields in vLLM 0.33 order); extra_keys and
+  // lookahead_token_ids are their msgpack bytes (or None) for the caller to decode.
+  nb::object event(size_t i) const {
+    const kvn::Event& e = at(i);
+    switch (e.kind) {
+      case kvn::Kind::Stored: {
+        PyObject* t = PyTuple_New(16);
+        if (!t) throw nb::python_error();
+        PyTuple_SET_ITEM(t, 0, str_of("BlockStored"));
+        PyTuple_SET_ITEM(t, 1, hashes(e));
+        PyTuple_SET_ITEM(t, 2, e.has_parent ? hash(e.parent) : none());
+        PyObject* toks = PyList_New(e.nt);
+        if (!toks) throw nb::python_error();
+        for (uint32_t j = 0; j < e.nt; ++j)
+          PyList_SET_ITEM(toks, j, PyLong_FromLongLong(b_.tokens[e.t0 + j]));
+        PyTuple_SET_ITEM(t, 3, toks);
+        PyTuple_SET_ITEM(t, 4, PyLong_FromLongLong(e.block_size));
+        PyTuple_SET_ITEM(t, 5, opt_int(e.lora_id));
+        PyTuple_SET_ITEM(t, 6, opt_str(e.medium));
+        PyTuple_SET_ITEM(t, 7, opt_str(e.lora_name));
+        PyTuple_SET_ITEM(t, 8, e.has_extra ? raw(e.extra) : none());
+        PyTuple_SET_ITEM(t, 9, opt_int(e.group_idx));
+        PyTuple_SET_ITEM(t, 10, opt_str(e.spec_kind));
+        PyTuple_SET_ITEM(t, 11, opt_int(e.window));
+        PyTuple_SET_ITEM(t, 12, opt_str(e.locality));
+        PyTuple_SET_ITEM(t, 13, opt_str(e.ownership));
+        PyTuple_SET_ITEM(t, 14, opt_str(e.session_id));
+        PyTuple_SET_ITEM(t, 15, e.has_lookahead ? raw(e.lookahead) : none());
+        return nb::steal(t);
+      }
+      case kvn::Kind::Removed: {
+        PyObject* t = PyTuple_New(6);
+        if (!t) throw nb::python_error();
+        PyTuple_SET_ITEM(t, 0, str_of("BlockRemoved"));
+        PyTuple_SET_ITEM(t, 1, hashes(e));
+        PyTuple_SET_ITEM(t, 2, opt_str(e.medium));
+        PyTuple_SET_ITEM(t, 3, opt_int(e.group_idx));
+        PyTuple_SET_ITEM(t, 4, opt_str(e.locality));
+        PyTuple_SET_ITEM(t, 5, opt_str(e.ownership));
+        return nb::steal(t);
+      }
+      default: {
+        PyObject* t = PyTuple_New(1);
+        if (!t) throw nb::python_error();
+        PyTuple_SET_ITEM(t, 0, str_of("AllBlocksCleared"));
+        return nb::steal(t);
+      }
+    }
+  }
+
+  // The content key at the end of each engine block of BlockStored ``i``, chained on
+  // ``parent`` with ``unit`` tokens per key, ignoring extra keys; None when the event
+  // is not a whole number of blocks of a multiple of ``unit`` tokens.
+  nb::object block_keys(size_t i, uint64_t parent, int64_t unit) const {
+    const kvn::Event& e = at(i);
+    if (e.kind != kvn::Kind::Stored || unit <= 0 || e.block_size <= 0 ||
+        e.block_size % unit != 0 ||
+        static_cast<uint64_t>(e.nt) != static_cast<uint64_t>(e.nh) * static_cast<uint64_t>(e.block_size))
+      return nb::none();
+    const size_t per = static_cast<size_t>(e.block_size / unit);
+    PyObject* out = PyList_New(e.nh);
+    if (!out) throw nb::python_error();
+    uint64_t k = parent;
+    const int64_t* t = b_.tokens.data() + e.t0;
+    for (uint32_t j = 0; j < e.nh; ++j) {
+      k = kvn::chain_units(k, t + static_cast<size_t>(j) * e.block_size, per, static_cast<size_t>(unit));
+      PyList_SET_ITEM(out, j, PyLong_FromUnsignedLongLong(k));
+    }
+    return nb::steal(out);
+  }
+
+ private:
+  const kvn::Event& at(size_t i) const {
+    if (i >= b_.events.size()) throw nb::index_error("event index out of range");
+    return b_.events[i];
+  }
+  static PyObject* none() { Py_RETURN_NONE; }
+  static PyObject* str_of(const char* s) { return PyUnicode_FromString(s); }
+  PyObject* str(const kvn::Span& s) const {
+    return PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data_ + s.off), s.len, "strict");
+  }
+  PyObject* raw(const kvn::Span& s) const {
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data_ + s.off), s.len);
+  }
+  PyObject* opt_str(const kvn::OptStr& o) const { return o.has ? str(o.s) : none(); }
+  static PyObject* opt_int(const kvn::OptInt& o) {
+    return o.has ? PyLong_FromLongLong(o.v) : none();
+  }
+  PyObject* hash(const kvn::Hash& h) const {
+    switch (h.tag) {
+      case kvn::HashTag::Bytes: return raw(h.bytes);
+      case kvn::HashTag::Negative: return PyLong_FromLongLong(static_cast<int64_t>(h.v));
+      default: return PyLong_FromUnsignedLongLong(h.v);
+    }
+  }
+  PyObject* hashes(const kvn::Event& e) const {
+    PyObject* l = PyList_New(e.nh);
+    if (!l) throw nb::python_error();
+    for (uint32_t j = 0; j < e.nh; ++j) PyList_SET_ITEM(l, j, hash(b_.hashes[e.h0 + j]));
+    return l;
+  }
+
+  nb::object owner_;
+  const uint8_t* data_;
+  size_t n_;
+  kvn::Batch b_;
+};
+
+// ``payload`` as (owner, pointer, size): bytes are read in place; any other buffer is
+// copied first, so a bytearray changed later cannot move what the spans point at.
+struct Payload {
+  nb::object owner;
+  const uint8_t* data = nullptr;
+  size_t n = 0;
+};
+
+Payload payload_of(nb::handle obj) {
+  Payload p;
+  if (PyBytes_Check(obj.ptr())) {
+    p.owner = nb::borrow(obj);
+  } else {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+    PyObject* copy = PyBytes_FromStringAndSize(static_cast<const char*>(view.buf), view.len);
+    PyBuffer_Release(&view);
+    if (!copy) throw nb::python_error();
+    p.owner = nb::steal(copy);
+  }
+  p.data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(p.owner.ptr()));
+  p.n = static_cast<size_t>(PyBytes_GET_SIZE(p.owner.ptr()));
+  return p;
+}
+
+nb::object parse_batch(nb::handle payload) {
+  Payload p = payload_of(payload);
+  kvn::Batch b;
+  if (kvn::parse(p.data, p.n, b) != kvn::Result::Ok) return nb::none();
+  return nb::cast(ParsedBatch(std::move(p.owner), p.data, p.n, std::move(b)));
+}
+
+// Token ids of a Python sequence as int64; TypeError or OverflowError as struct.pack.
+std::vector<int64_t> tokens_of(nb::handle seq) {
+  PyObject* fast = PySequence_Fast(seq.ptr(), "token ids must be a sequence");
+  if (!fast) throw nb::python_error();
+  nb::object guard = nb::steal(fast);
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* it = items[i];
+    long long v;
+    if (PyLong_CheckExact(it)) {
+      int overflow = 0;
+      v = PyLong_AsLongLongAndOverflow(it, &overflow);
+      if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "token id out of the signed 64-bit range");
+        throw nb::python_error();
+      }
+    } else {
+      if (!PyIndex_Check(it)) {
+        PyErr_Format(PyExc_TypeError, "token id must be an integer, got %.80s", Py_TYPE(it)->tp_name);
+        throw nb::python_error();
+      }
+      v = PyLong_AsLongLong(it);
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+    }
+    out[static_cast<size_t>(i)] = v;
+  }
+  return out;
+}
+
+nb::object prompt_keys(nb::handle tokens, int64_t unit, uint64_t root) {
+  if (unit <= 0) throw nb::value_error("unit must be positive");
+  std::vector<int64_t> t = tokens_of(tokens);
+  const size_t u = static_cast<size_t>(unit);
+  const size_t n = t.size() / u;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
+  if (!out) throw nb::python_error();
+  uint64_t k = root;
+  for (size_t j = 0; j < n; ++j) {
+    k = kvn::chain_units(k, t.data() + j * u, 1, u);
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(j), PyLong_FromUnsignedLongLong(k));
+  }
+  return nb::steal(out);
+}
+
+uint64_t chain_units(uint64_t parent, nb::handle tokens, int64_t unit) {
+  if (unit <= 0) throw nb::value_error("unit must be positive");
+  std::vector<int64_t> t = tokens_of(tokens);
+  const size_t u = static_cast<size_t>(unit);
+  return kvn::chain_units(parent, t.data(), t.size() / u, u);
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "kvevents' compiled core: the wire parser and the content-key kernels.";
+  m.attr("__version__") = KVEVENTS_NATIVE_VERSION;
+
+  nb::class_<ParsedBatch>(m, "ParsedBatch",
+                          "One payload read natively: events in flat arrays, no Python "
+                          "object per event.")
+      .def_prop_ro("ts", &ParsedBatch::ts)
+      .def_prop_ro("data_parallel_rank", &ParsedBatch::rank)
+      .def_prop_ro("block_events", &ParsedBatch::block_events)
+      .def("__len__", &ParsedBatch::len)
+      .def("kind", &ParsedBatch::kind, nb::arg("i"))
+      .def("event", &ParsedBatch::event, nb::arg("i"))
+      .def("block_keys", &ParsedBatch::block_keys, nb::arg("i"), nb::arg("parent"),
+           nb::arg("unit"));
+
+  m.def("parse_batch", &parse_batch, nb::arg("payload"),
+        "Parse one payload frame; None when it is not a shape read natively (malformed "
+        "input included): hand it to the Python decoder then.");
+  m.def("prompt_keys", &prompt_keys, nb::arg("tokens"), nb::arg("unit"), nb::arg("root"),
+        "Content keys of every whole unit of ``tokens`` chained from ``root``.");
+  m.def("chain_units", &chain_units, nb::arg("parent"), nb::arg("tokens"), nb::arg("unit"),
+        "The key of the last whole unit of ``tokens`` chained on ``parent``.");
+}

@@ -1,0 +1,12 @@
+"""kvevents' optional compiled core (C++17, nanobind).
+
+kvevents imports it when it is installed (``pip install ./native``) and
+``KVEVENTS_NATIVE`` is not ``0``; kvevents works the same without it.  What it holds:
+:func:`parse_batch`, a bounded reader of vLLM's KV-event msgpack wire that builds no
+Python object per event, and the content-key kernels :func:`prompt_keys` and
+:func:`chain_units` (the xxh3-64 chain of :mod:`kvevents.consumers.content`).
+"""
+
+from kvevents_native._core import ParsedBatch, __version__, chain_units, parse_batch, prompt_keys
+
+__all__ = ["ParsedBatch", "__version__", "chain_units", "parse_batch", "prompt_keys"]
