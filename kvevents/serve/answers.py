@@ -50,9 +50,10 @@ BODY_CAP_BYTES = 8 << 20
 """How much of a non-streamed answer is kept to find its ``usage`` (bytes)."""
 
 
-def error_body(message: str, status: int) -> dict[str, Any]:
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` for an
-    HTTP ``status``."""
+    HTTP ``status``; ``param`` names the request field at fault (None: none in
+    particular)."""
     kind = {
         400: "invalid_request_error",
         404: "not_found_error",
@@ -60,7 +61,7 @@ def error_body(message: str, status: int) -> dict[str, Any]:
         503: "service_unavailable",
         504: "upstream_timeout",
     }.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def decode_json_body(raw: bytes) -> Any:

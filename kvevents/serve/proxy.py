@@ -3,9 +3,9 @@ stream the answer back byte for byte, fail over when an engine is gone before it
 answered, and check the prediction against the ``cached_tokens`` it reports.
 
 One job: the ``/v1/completions`` and ``/v1/chat/completions`` path.  Imports httpx and
-Starlette (the ``serve`` extra), the fleet, routing, telemetry, tokens and answers rooms;
-how a request becomes tokens and how ranks are ranked are handed in as callables by
-:class:`~kvevents.serve.app.ServeApp`.
+Starlette (the ``serve`` extra), the fleet, routing, telemetry, answers and plan rooms: a
+request is planned (checked, tokenised, keyed and ranked) by the
+:class:`~kvevents.serve.plan.Planner` it is given, the one ``/route`` uses too.
 """
 
 from __future__ import annotations
@@ -14,36 +14,27 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvevents.errors import ConfigError
-from kvevents.request import RequestKey
 from kvevents.serve.answers import (
     BODY_CAP_BYTES,
     HOP_HEADERS,
     SSE_TAIL_BYTES,
     cached_tokens,
-    decode_json_body,
     error_body,
 )
 from kvevents.serve.fleet import Fleet
+from kvevents.serve.plan import Planner
 from kvevents.serve.routing import LoadTracker, Ranked
 from kvevents.serve.telemetry import ServeMetrics
-from kvevents.serve.tokens import BadRequest, build_key, check_body
+from kvevents.serve.tokens import BadRequest
 
 __all__ = ["Forwarder", "RankStats"]
-
-TokensFn = Callable[[dict[str, Any], bool], Awaitable[list[int]]]
-"""``(body, chat) -> token ids`` of a checked request body (raises ``BadRequest``)."""
-
-RankFn = Callable[[RequestKey, "str | None"], list[Ranked]]
-"""``(key, model) -> up engine ranks, best first``."""
 
 
 @dataclass
@@ -66,9 +57,9 @@ class RankStats:
 class Forwarder:
     """Forwards requests to the engines.
 
-    ``clients`` maps engine names to their httpx clients (filled when the service
-    starts); ``rank_stats`` holds one :class:`RankStats` per worker label;
-    ``requests_total`` counts every request that reached :meth:`proxy`.
+    ``planner`` plans each request; ``clients`` maps engine names to their httpx clients
+    (filled when the service starts); ``rank_stats`` holds one :class:`RankStats` per
+    worker label; ``requests_total`` counts every request that reached :meth:`proxy`.
     """
 
     def __init__(
@@ -77,24 +68,26 @@ class Forwarder:
         loads: LoadTracker,
         metrics: ServeMetrics,
         clients: dict[str, httpx.AsyncClient],
-        loras: set[str],
-        tokens: TokensFn,
-        rank: RankFn,
+        planner: Planner,
     ) -> None:
         self.fleet = fleet
         self.loads = loads
         self.metrics = metrics
         self.clients = clients
-        self.loras = loras
-        self._tokens = tokens
-        self._rank = rank
+        self.planner = planner
         self.rank_stats: dict[str, RankStats] = {st.label: RankStats() for st in fleet.ranks}
         self.requests_total = 0
 
-    def error(self, route: str, message: str, status: int) -> JSONResponse:
+    def error(
+        self, route: str, message: str, status: int, param: str | None = None
+    ) -> JSONResponse:
         """OpenAI's error answer, counted in ``kvevents_serve_requests``."""
         self.metrics.requests.labels(route, str(status)).inc()
-        return JSONResponse(error_body(message, status), status_code=status)
+        return JSONResponse(error_body(message, status, param), status_code=status)
+
+    def refuse(self, route: str, exc: BadRequest) -> JSONResponse:
+        """The error answer to a request that could not be planned."""
+        return self.error(route, str(exc), exc.status, exc.param)
 
     async def proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         """Forward ``request`` (a POST to ``path``) to the best rank that is up; a rank
@@ -102,20 +95,14 @@ class Forwarder:
         and the next one is tried; 503 when none is left."""
         t0 = time.perf_counter()
         self.requests_total += 1
-        raw = await request.body()
         try:
-            body = check_body(decode_json_body(raw), chat)
-            tokens = await self._tokens(body, chat)
-            key = build_key(tokens, body, self.loras)
+            plan = await self.planner.plan(await request.body(), chat)
         except BadRequest as exc:
-            return self.error(path, str(exc), exc.status)
-        except ConfigError as exc:
-            return self.error(path, str(exc), 400)
-        model = body.get("model")
-        ranked = self._rank(key, model if isinstance(model, str) else None)
+            return self.refuse(path, exc)
         self.metrics.overhead.observe(time.perf_counter() - t0)
-        if not ranked:
+        if not plan.ranked:
             return self.error(path, "no engine is available", 503)
+        raw, tokens = plan.raw, plan.tokens
         headers = {
             k: v
             for k, v in request.headers.items()
@@ -123,9 +110,9 @@ class Forwarder:
             and k.lower() not in ("accept-encoding", "x-data-parallel-rank")
         }
         tried: set[str] = set()
-        stream = bool(body.get("stream"))
+        stream = plan.stream
         last_error = "no engine is available"
-        for cand in ranked:
+        for cand in plan.ranked:
             st = cand.state
             name = st.engine.name
             if name in tried or not self.fleet.is_up(name):

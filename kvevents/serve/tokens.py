@@ -43,11 +43,13 @@ _CHAT_FIELDS = (
 
 
 class BadRequest(KVEventsError, ValueError):
-    """A request the service cannot route (answered with HTTP ``status``)."""
+    """A request the service cannot route: answered with HTTP ``status`` and OpenAI's
+    error body, whose ``param`` names the offending field (None: the body as a whole)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class LocalTokenizer:
@@ -96,27 +98,64 @@ class LocalTokenizer:
         )
 
 
+_TYPED_FIELDS: tuple[tuple[str, type, str], ...] = (
+    ("model", str, "a string"),
+    ("cache_salt", str, "a string"),
+    ("stream", bool, "a boolean"),
+    ("add_special_tokens", bool, "a boolean"),
+    ("add_generation_prompt", bool, "a boolean"),
+    ("continue_final_message", bool, "a boolean"),
+    ("chat_template", str, "a string"),
+    ("chat_template_kwargs", dict, "an object"),
+    ("tools", list, "a list"),
+)
+"""Optional fields that change the key or the tokens, with the JSON type each must have
+(``null`` is accepted for each, as vLLM accepts it)."""
+
+
 def check_body(body: Any, chat: bool) -> dict[str, Any]:
-    """The request body as a dict, or :class:`BadRequest` saying what is wrong."""
+    """The request body as a dict, or :class:`BadRequest` naming the field that is wrong.
+
+    A chat needs ``messages``: a non-empty list of objects with a string ``role`` and a
+    ``content`` that is a string, a list of parts or null.  A completion needs ``prompt``
+    (a string, a non-empty list of token ids, or a batch of either), or
+    ``prompt_token_ids`` (a non-empty list of token ids).  The fields of
+    :data:`_TYPED_FIELDS` must have their type; a boolean is not a number, a number not a
+    boolean.
+    """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' must be a non-empty list of messages")
+            raise BadRequest("'messages' must be a non-empty list of messages", param="messages")
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+                raise BadRequest(
+                    f"messages[{i}] must be an object with a string 'role'", param="messages"
+                )
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise BadRequest(
+                    f"messages[{i}].content must be a string or a list of parts",
+                    param="messages",
+                )
+    elif body.get("prompt") is not None:
+        first_prompt(body["prompt"])
+    elif body.get("prompt_token_ids") is not None:
+        if _token_ids(body["prompt_token_ids"]) is None:
+            raise BadRequest(
+                "'prompt_token_ids' must be a non-empty list of token ids",
+                param="prompt_token_ids",
+            )
     else:
-        prompt = body.get("prompt", body.get("prompt_token_ids"))
-        if prompt is None:
-            raise BadRequest("'prompt' is required")
-        first_prompt(prompt)
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("'stream' must be a boolean")
-    for key in ("model", "cache_salt"):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise BadRequest(f"'{key}' must be a string")
+        raise BadRequest("'prompt' is required", param="prompt")
+    for name, kind, what in _TYPED_FIELDS:
+        value = body.get(name)
+        if value is not None and (
+            not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
+        ):
+            raise BadRequest(f"'{name}' must be {what}", param=name)
     return body
 
 
@@ -144,7 +183,15 @@ def first_prompt(prompt: Any) -> str | list[int]:
         ids = _token_ids(head)
         if ids is not None:
             return ids
-    raise BadRequest("'prompt' must be a string, a list of token ids, or a batch of them")
+    raise BadRequest(
+        "'prompt' must be a string, a list of token ids, or a batch of them", param="prompt"
+    )
+
+
+def _prompt(body: Mapping[str, Any]) -> Any:
+    """A checked completion body's prompt: ``prompt``, else ``prompt_token_ids``."""
+    prompt = body.get("prompt")
+    return prompt if prompt is not None else body.get("prompt_token_ids")
 
 
 def tokenize_request_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any] | None:
@@ -156,7 +203,7 @@ def tokenize_request_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any]
             if k in body:
                 out[k] = body[k]
     else:
-        prompt = first_prompt(body.get("prompt", body.get("prompt_token_ids")))
+        prompt = first_prompt(_prompt(body))
         if isinstance(prompt, list):
             return None
         out = {"prompt": prompt}
@@ -173,7 +220,7 @@ def tokenize_body(
     """Tokens computed without an engine (token-id prompts, a local tokenizer), or None
     when the engine must be asked."""
     if not chat:
-        prompt = first_prompt(body.get("prompt", body.get("prompt_token_ids")))
+        prompt = first_prompt(_prompt(body))
         if isinstance(prompt, list):
             return prompt
         if local is not None:

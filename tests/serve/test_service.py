@@ -359,10 +359,12 @@ def test_local_tokenizer_gives_the_engines_tokens(tmp_path: pytest.TempPathFacto
 def test_only_engines_serving_the_model_are_candidates() -> None:
     with LocalStack(3, serve=ServeConfig(scrape_interval_s=600)) as s:
         wait_until(lambda: ready(s.url), what="/readyz")
-        wait_until(lambda: len(s.service.engine_models) == 3, what="the engines' model lists")
-        assert s.service.engine_models["sim-0"] == {"sim-model"}
+        wait_until(
+            lambda: len(s.service.upstream.engine_models) == 3, what="the engines' model lists"
+        )
+        assert s.service.upstream.engine_models["sim-0"] == {"sim-model"}
         # as if sim-1 served another model
-        s.service.engine_models["sim-1"] = {"other-model"}
+        s.service.upstream.engine_models["sim-1"] = {"other-model"}
         with httpx.Client(base_url=s.url, timeout=30) as c:
 
             def engines(body: dict) -> list[str]:
