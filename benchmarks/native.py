@@ -1,0 +1,181 @@
+"""The compiled core (``kvevents-native``) against the same run's baselines.
+
+What runs natively today is the wire parser (with the content keys of every block it
+reads) and the content keys of a prompt; the index and the router walk are Python in
+both modes.  Rows:
+
+* ``stream``: block-events/s from msgpack bytes, 4 engines' streams as in
+  ``benchmarks/index.py`` (GPU stores of 8-16 blocks, CPU placeholders, one-hash
+  removals).  Baseline: vLLM 0.33's typed decoder (``msgspec.msgpack.Decoder`` of its
+  ``KVEventBatch``; the stand-in of ``benchmarks/vs_vllm.py`` when vLLM is absent) merely
+  decoding the same bytes.  Ours: the native parse alone, and the native parse plus the
+  content key of every stored block (chained from the root: the parent's key is the
+  index's business), against the Python path doing the same (``BatchDecoder.decode`` plus
+  ``content.chain_units`` per block).
+* ``prompt keys``: the 512 content keys of an 8,192-token prompt, native vs the Python
+  chain (``kvevents.consumers.content`` with the core switched off), in ms.
+* ``find_matches``: an 8,192-token prompt over 1,000 workers (100 with ``--quick``), each
+  holding a random prefix of it (``benchmarks/index.py``'s ``populate``), p50 and p99 in
+  ms, with the native prompt keys vs with the Python ones, sampled alternately.
+
+Run: ``python benchmarks/native.py [--quick]`` (skips, saying so, without the core:
+``pip install ./native``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import msgspec
+from _common import best_rate, parse_args, report, result
+from index import BS, block_events, engine_stream, populate
+from vs_vllm import reference
+
+import kvevents.consumers.content as content
+from kvevents import BatchDecoder, BlockStored, encode_batch
+from kvevents.consumers.router import Router
+
+try:
+    import kvevents_native as kn
+except ImportError:  # pragma: no cover - the core is optional
+    kn = None
+
+UNIT = 16
+
+
+def bench_stream(quick: bool) -> list[dict[str, Any]]:
+    streams = [engine_stream(60 if quick else 600, seed) for seed in range(4)]
+    payloads = [encode_batch(b) for s in streams for b in s]
+    total = sum(block_events(s) for s in streams)
+    ref, label = reference(verbose=False)
+    vllm_decoder = msgspec.msgpack.Decoder(ref.KVEventBatch)
+    decoder = BatchDecoder()
+    parse = kn.parse_batch
+    chain = content.chain_units
+    kw: dict[str, Any] = {"repeat": 1 if quick else 5, "min_time": 0.05 if quick else 0.5}
+    for p in payloads:  # every payload of this stream is read natively
+        if parse(p) is None:
+            raise AssertionError("a payload fell back to the Python decoder")
+
+    def vllm_decode() -> int:
+        for p in payloads:
+            vllm_decoder.decode(p)
+        return total
+
+    def native_parse() -> int:
+        for p in payloads:
+            parse(p)
+        return total
+
+    def native_keyed() -> int:
+        for p in payloads:
+            b = parse(p)
+            for i in range(len(b)):
+                if b.kind(i) == 0:
+                    b.block_keys(i, 0, UNIT)
+        return total
+
+    def python_keyed() -> int:
+        for p in payloads:
+            for ev in decoder.decode(p).events:
+                if type(ev) is BlockStored and ev.block_size and ev.token_ids:
+                    k, bs, toks = 0, ev.block_size, ev.token_ids
+                    for j in range(len(ev.block_hashes)):
+                        k = chain(k, toks[j * bs : (j + 1) * bs], UNIT)
+        return total
+
+    saved = content.NATIVE
+    content.NATIVE = None  # the Python chain for the Python row
+    try:
+        rates = {}
+        for name, fn in (
+            ("vllm", vllm_decode),
+            ("parse", native_parse),
+            ("keyed", native_keyed),
+            ("python", python_keyed),
+        ):
+            rates[name] = best_rate(fn, **kw) / 1e6
+    finally:
+        content.NATIVE = saved
+    base = rates["vllm"]
+    return [
+        result(f"stream: {label} typed decode of the bytes (baseline)", base, "M block-events/s"),
+        result("stream: native parse (vs vLLM decode)", rates["parse"], "M block-events/s", base),
+        result(
+            "stream: native parse + content key per block (vs vLLM decode)",
+            rates["keyed"],
+            "M block-events/s",
+            base,
+        ),
+        result(
+            "stream: Python decode + content key per block (vs vLLM decode)",
+            rates["python"],
+            "M block-events/s",
+            base,
+        ),
+    ]
+
+
+def _pct(s: list[float], q: float) -> float:
+    s = sorted(s)
+    return s[min(len(s) - 1, int(len(s) * q))] * 1e3
+
+
+def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    workers = 100 if quick else 1000
+    prompt = [rng.randrange(50_000) for _ in range(8192)]
+    router = Router(populate(workers, prompt, rng, 1))
+    saved = content.NATIVE
+    reps = 20 if quick else 300
+    want = router.find_matches(prompt)
+    content.NATIVE = None
+    try:
+        if router.find_matches(prompt) != want:
+            raise AssertionError("native and Python keys route differently")
+    finally:
+        content.NATIVE = saved
+    keys_n: list[float] = []
+    keys_p: list[float] = []
+    find_n: list[float] = []
+    find_p: list[float] = []
+    try:
+        for _ in range(reps):  # alternately, so the machine's drift hits both
+            for native, keys_s, find_s in ((saved, keys_n, find_n), (None, keys_p, find_p)):
+                content.NATIVE = native
+                t0 = time.perf_counter()
+                content.prompt_keys(prompt, UNIT)
+                t1 = time.perf_counter()
+                router.find_matches(prompt)
+                t2 = time.perf_counter()
+                keys_s.append(t1 - t0)
+                find_s.append(t2 - t1)
+    finally:
+        content.NATIVE = saved
+    label = f"find_matches 8k tok x {workers} w, own prefixes"
+    return [
+        result("prompt keys 8k tok p50 (vs Python)", _pct(keys_n, 0.5), "ms", _pct(keys_p, 0.5)),
+        result(f"{label}: p50 (vs Python keys)", _pct(find_n, 0.5), "ms", _pct(find_p, 0.5)),
+        result(f"{label}: p99 (vs Python keys)", _pct(find_n, 0.99), "ms", _pct(find_p, 0.99)),
+    ]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    if kn is None:
+        print("kvevents-native is not installed (pip install ./native): nothing to compare")
+        report("native", [])
+        return
+    assert BS % UNIT == 0
+    report("native", bench_stream(args.quick) + bench_keys_and_find(args.quick))
+
+
+if __name__ == "__main__":
+    main()
