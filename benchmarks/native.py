@@ -18,8 +18,8 @@ both modes.  Rows:
   holding a random prefix of it (``benchmarks/index.py``'s ``populate``), p50 and p99 in
   ms, with the native prompt keys vs with the Python ones, sampled alternately.
 
-Run: ``python benchmarks/native.py [--quick]`` (skips, saying so, without the core:
-``pip install ./native``).
+Run: ``python benchmarks/native.py [--quick]`` (skips, saying so, when the core does not
+run: ``pip install ./native``, and ``KVEVENTS_NATIVE`` not ``0``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ from vs_vllm import reference
 import kvevents.consumers.content as content
 from kvevents import BatchDecoder, BlockStored, encode_batch
 from kvevents.consumers.router import Router
-
-try:
-    import kvevents_native as kn
-except ImportError:  # pragma: no cover - the core is optional
-    kn = None
+from kvevents.native import NATIVE as kn
+from kvevents.native import core_name
 
 UNIT = 16
 
@@ -170,7 +167,7 @@ def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     if kn is None:
-        print("kvevents-native is not installed (pip install ./native): nothing to compare")
+        print(f"the compiled core does not run ({core_name()}): nothing to compare")
         report("native", [])
         return
     assert BS % UNIT == 0
