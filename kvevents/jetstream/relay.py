@@ -186,13 +186,22 @@ class JetStreamRelay:
 
     # --- the stored epoch -------------------------------------------------------------
     def _resume(self) -> None:
-        """Read each engine's last stored batch per rank and decide its epoch (see module)."""
+        """Read each engine's last stored batch per rank and decide its epoch (see module).
+
+        The rank stored is the one on the wire, which need not be the spec's: a
+        publisher with its own endpoints (``dp_size`` 1) may still publish as rank 1.
+        The replay asked is therefore found by where the batch came from: the spec's
+        endpoint for that rank first, then each other endpoint of the engine; the one
+        that still holds the stored seq with the same payload proves the same life.
+        """
         for spec in self.engines:
             last = self._loop.run(self._last_messages(spec.name), timeout_s=30)
-            replay_for = {r: rep for r, _ev, rep in spec.rank_endpoints()}
+            replays = {r: rep for r, _ev, rep in spec.rank_endpoints() if rep is not None}
             for h, payload in last:
-                replay = replay_for.get(h.rank)
-                same = replay is not None and self._engine_still_has(replay, h.seq, payload)
+                first = replays.get(h.rank)
+                order = [first] if first is not None else []
+                order += [rep for rep in replays.values() if rep != first]
+                same = any(self._engine_still_has(rep, h.seq, payload) for rep in order)
                 if same:
                     self._cursors[(spec.name, h.rank)] = _Cursor(h.epoch, h.seq)
                     logger.info(
