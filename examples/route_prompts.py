@@ -51,9 +51,12 @@ def main() -> None:
         "--settle",
         type=float,
         default=0.5,
-        help="route once every engine was heard from and nothing new came for S seconds",
+        help="route once every engine was heard from and nothing new came for S seconds "
+        "(or, engines busy, 10 S seconds after the last was first heard)",
     )
-    p.add_argument("--timeout", type=float, default=30.0, help="give up waiting after S s")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="give up when an engine is silent for S s"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     args = p.parse_args()
 
@@ -67,17 +70,29 @@ def main() -> None:
     router = Router(index)
     with Subscriber(args.endpoints, replay_endpoints=args.replay_endpoint) as sub:
         print(f"following {', '.join(args.endpoints)}", file=sys.stderr, flush=True)
-        # Wait until every engine has been heard from and the stream has settled.
+        # Wait until every engine has been heard from and the stream has settled (or,
+        # when engines keep publishing, a while after the last one was first heard).
         deadline = time.monotonic() + args.timeout
         quiet_since = time.monotonic()
-        while time.monotonic() < deadline:
+        all_heard_at: float | None = None
+        while True:
             if catch_up(sub, index, timeout=0.05):
                 quiet_since = time.monotonic()
-            heard = len(index.workers()) >= len(args.endpoints)
-            if heard and time.monotonic() - quiet_since >= args.settle:
+            now = time.monotonic()
+            heard = {source.partition("#")[0] for source, _rank in index.workers()}
+            if all_heard_at is None and heard >= set(args.endpoints):
+                all_heard_at = now
+            if all_heard_at is not None and (
+                now - quiet_since >= args.settle or now - all_heard_at >= 10 * args.settle
+            ):
                 break
-        else:
-            sys.exit(f"heard from {len(index.workers())} of {len(args.endpoints)} engines")
+            if now >= deadline:
+                silent = [ep for ep in args.endpoints if ep not in heard]
+                sys.exit(
+                    f"route_prompts: no KV events from {', '.join(silent)} in "
+                    f"{args.timeout:g} s; nothing routed (is the engine running?  An idle "
+                    "engine publishes only once it serves a request)"
+                )
 
         for i, tokens in enumerate(prompts):
             catch_up(sub, index)  # the freshest view before each answer

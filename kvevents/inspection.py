@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvevents.capture import CaptureRecord, unpack_parts
+from kvevents.capture_account import COPY, CaptureAccount
 from kvevents.codec import BatchDecoder, describe_payload
 from kvevents.errors import CaptureError, ConfigError, DecodeError
 from kvevents.events import (
@@ -21,15 +22,6 @@ from kvevents.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
-)
-from kvevents.seqtrack import (
-    DUPLICATE,
-    GAP,
-    PUBLISHER_RESTART,
-    Deliver,
-    Drop,
-    Report,
-    StreamTracker,
 )
 
 __all__ = [
@@ -312,9 +304,17 @@ class CaptureSummary:
     tail_error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     """The capture header's metadata (set by the caller that has the reader)."""
+    account: CaptureAccount | None = None
+    """The whole file added up (set by the caller that has the reader; never filtered)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
+        out = {
+            k: (dict(v) if isinstance(v, Counter) else v)
+            for k, v in self.__dict__.items()
+            if k != "account"
+        }
+        out["account"] = self.account.to_json() if self.account is not None else None
+        return out
 
     def to_text(self) -> str:
         lines = [
@@ -352,6 +352,8 @@ class CaptureSummary:
                 lines.extend(f"  {k:<{width}}  {n:>9}" for k, n in counter.most_common())
         if self.tail_error:
             lines.append(f"capture tail: {self.tail_error}")
+        if self.account is not None:
+            lines.extend(self.account.lines())
         return "\n".join(lines)
 
 
@@ -359,25 +361,49 @@ def summarize(
     records: Iterable[CaptureRecord],
     event_filter: EventFilter | None = None,
     values: CaptureValues | None = None,
+    *,
+    account: CaptureAccount | None = None,
+    offset: Callable[[], int] | None = None,
 ) -> CaptureSummary:
-    """Count events, seq anomalies and placeholder joins over ``records``.
+    """Count batches, events, copies, seq gaps and placeholder joins over ``records``.
 
-    Seqs are tracked per ``(source, dp_rank)`` by a
-    :class:`~kvevents.seqtrack.StreamTracker` without replay (a capture cannot
-    be asked for one): a jump is a gap (its seqs missing), a seq already applied with the
-    same payload (or one reported missing, arriving late) a duplicate whose events are not
-    counted again, any other seq going back a restart.
+    Seqs are followed per ``(source, dp_rank)`` by a
+    :class:`~kvevents.capture_account.SeqLedger`: the first arrival of a seq is a batch,
+    wherever it falls in the file (a catch-up replay brings earlier seqs after later
+    ones) and its events are counted; a copy of a batch already seen (same seq, same
+    payload) is a duplicate, its events not counted again; a seq seen with another
+    payload, or a live seq going back, is a restart.  Seqs missing between the lowest
+    and the highest of a life are the gaps.
 
-    With ``event_filter`` only the matching events are counted; a placeholder counts as
-    joined when a GPU store of its (worker, group, hash) came earlier in the capture,
-    whether or not that store matches the filter.  ``values``, when given, observes every
-    event before filtering.
+    With ``event_filter`` only the matching events are counted, and with its ``worker``
+    only that worker's records and batches; a placeholder counts as joined when a GPU
+    store of its (worker, group, hash) came earlier in the capture, whether or not that
+    store matches the filter.  ``values``, when given, observes every event before
+    filtering.  ``account`` (with ``offset``, the file offset after the record just
+    read) is fed every record, so the caller can add the file up in the same pass.
     """
     s = CaptureSummary()
     dec = BatchDecoder()
-    trackers: dict[tuple[str, int], StreamTracker[None]] = {}
+    acc = account if account is not None else CaptureAccount()
+    only = event_filter.worker if event_filter is not None else None
     gpu_keys: set[tuple[str, int | None, Any]] = set()
     for rec in records:
+        end = offset() if offset is not None else 0
+        batch: KVEventBatch | None = None
+        rank: int | None = None
+        if not (rec.replay_end or rec.malformed):
+            try:
+                batch = dec.decode(rec.payload)
+                rank = batch.data_parallel_rank or 0
+            except DecodeError:
+                batch = None
+        verdict = acc.observe(rec, end, rank) if batch is not None else acc.observe(rec, end)
+        worker = f"{rec.source}#{rank if rank is not None else 0}"
+        if only is not None and only not in (rec.source, worker):
+            if values is not None and batch is not None and verdict != COPY:
+                for i, e in enumerate(batch.events):  # the values a filter could name
+                    values.observe(DecodedEvent(rec, batch, i, e))
+            continue
         s.records += 1
         s.replayed += rec.replayed
         if s.first_recv_ts is None:
@@ -389,21 +415,18 @@ def summarize(
         if rec.malformed:
             s.malformed += 1
             continue
-        try:
-            batch = dec.decode(rec.payload)
-        except DecodeError:
+        if batch is None:
             s.undecodable += 1
             continue
+        if verdict == COPY:
+            s.seq_duplicates += 1
+            continue  # its events were counted with the first arrival
         s.batches += 1
         try:
             shape = describe_payload(rec.payload)
             s.producer_versions[shape.vllm_versions or "unknown"] += 1
         except DecodeError:  # pragma: no cover - decode above already succeeded
             pass
-        rank = batch.data_parallel_rank or 0
-        worker = f"{rec.source}#{rank}"
-        if rec.seq >= 0 and not _track(trackers, s, (rec.source, rank), rec):
-            continue  # a duplicate: its events were counted with the first copy
         for i, e in enumerate(batch.events):
             ev = DecodedEvent(rec, batch, i, e)
             if values is not None:
@@ -430,36 +453,17 @@ def summarize(
                 s.placeholders += 1
                 if all((worker, e.group_idx, h) in gpu_keys for h in e.block_hashes):
                     s.placeholders_joined += 1
+    for hole in acc.ledger.holes():
+        if only is None or only in (hole.worker, hole.worker.rpartition("#")[0]):
+            s.seq_gaps += 1
+            s.seq_missing += hole.count
+    s.seq_restarts = sum(
+        len(lives) - 1
+        for worker, lives in acc.ledger.spans().items()
+        if only is None or only in (worker, worker.rpartition("#")[0])
+    )
     s.unknown_tags = dec.stats.unknown_tags
     return s
-
-
-def _track(
-    trackers: dict[tuple[str, int], StreamTracker[None]],
-    s: CaptureSummary,
-    key: tuple[str, int],
-    rec: CaptureRecord,
-) -> bool:
-    """Feed ``rec`` to ``key``'s tracker and count what it reports in ``s``; True when
-    the record is applied (its events count)."""
-    tracker = trackers.get(key)
-    if tracker is None:
-        tracker = trackers[key] = StreamTracker(replayable=False, catch_up=False)
-    applied = False
-    for act in tracker.live(rec.seq, None, hash(rec.payload)):
-        if isinstance(act, Deliver):
-            applied = True
-        elif isinstance(act, Report):
-            if act.kind == GAP and act.first_seq is not None and act.last_seq is not None:
-                s.seq_gaps += 1
-                s.seq_missing += act.last_seq - act.first_seq + 1
-            elif act.kind == DUPLICATE:
-                s.seq_duplicates += 1
-            elif act.kind == PUBLISHER_RESTART:
-                s.seq_restarts += 1
-        elif isinstance(act, Drop) and act.reason == "late":
-            s.seq_duplicates += 1
-    return applied
 
 
 def _utc(ts: float) -> str:

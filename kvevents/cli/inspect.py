@@ -19,6 +19,7 @@ __all__ = ["cmd_inspect"]
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from kvevents.capture import CaptureReader
+    from kvevents.capture_account import CaptureAccount
     from kvevents.inspection import (
         CaptureValues,
         EventFilter,
@@ -32,10 +33,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     values = CaptureValues()
     with CaptureReader(args.file) as reader:
         if args.summary:
+            account = CaptureAccount()
+            account.start(reader)
             records = with_byte_progress(reader, args.file, "summarizing")
-            summary = summarize(records, flt, values if flt.active else None)
+            summary = summarize(
+                records,
+                flt,
+                values if flt.active else None,
+                account=account,
+                offset=lambda: reader.good_bytes,
+            )
             summary.tail_error = reader.tail_error
             summary.meta = dict(reader.meta)
+            summary.account = account.finish(reader)
             if flt.active and summary.events == 0:
                 values.check(flt)  # a value the capture does not hold: say which it holds
             if args.json:

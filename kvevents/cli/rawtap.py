@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from kvevents.capture import FLAG_MALFORMED, FLAG_UNDECODABLE, CaptureWriter, pack_parts
+from kvevents.capture_account import COPY, SeqLedger
 from kvevents.codec import BatchDecoder
 from kvevents.consumers.sources import (
     BAD_FRAME,
@@ -55,21 +56,25 @@ class FrameRecorder:
     """Writes raw frames to :attr:`writer` as they arrive and counts them.  The writer
     may be attached after the sources are opened, but before anything is received.
 
-    ``max_batches`` (None: no bound) stops the recording after that many good batches
-    (frames that decode, live or replayed): later frames are not written and
-    :attr:`full` turns true.  Counters: :attr:`batches` and :attr:`events` (good
-    batches and their events), :attr:`undecodable` and :attr:`malformed` (frames kept
-    and flagged), :attr:`replay_ends` (replay end markers written)."""
+    ``max_batches`` (None: no bound) stops the recording after that many distinct good
+    batches (frames that decode, live or replayed; a copy of a batch already written,
+    the same seq of the same worker with the same payload, is written but not counted
+    again): later frames are not written and :attr:`full` turns true.  Counters:
+    :attr:`batches` and :attr:`events` (distinct good batches and their events),
+    :attr:`copies` (copies written), :attr:`undecodable` and :attr:`malformed` (frames
+    kept and flagged), :attr:`replay_ends` (replay end markers written)."""
 
     def __init__(self, writer: CaptureWriter | None = None, max_batches: int | None = None) -> None:
         self.writer = writer
         self.max_batches = max_batches
         self.batches = 0
         self.events = 0
+        self.copies = 0
         self.undecodable = 0
         self.malformed = 0
         self.replay_ends = 0
         self._decoder = BatchDecoder()
+        self._ledger = SeqLedger()
 
     @property
     def full(self) -> bool:
@@ -113,19 +118,23 @@ class FrameRecorder:
         if self.full:
             return
         try:
-            n_events = len(self._decoder.decode(payload).events)
+            batch = self._decoder.decode(payload)
             flags = 0
         except DecodeError:
-            n_events = -1
+            batch = None
             flags = FLAG_UNDECODABLE
         self._out().write(
             source, topic, seq, payload, recv_ts=recv_ts, replayed=replayed, flags=flags
         )
-        if flags:
+        if batch is None:
             self.undecodable += 1
+            return
+        worker = f"{source}#{batch.data_parallel_rank or 0}"
+        if self._ledger.observe(worker, seq, hash(payload), replayed) == COPY:
+            self.copies += 1
         else:
             self.batches += 1
-            self.events += n_events
+            self.events += len(batch.events)
 
     def _malformed(
         self, source: str, topic: bytes, parts: list[bytes], recv_ts: float, replayed: bool
@@ -173,6 +182,11 @@ class RecordingSource:
         self.endpoint = endpoint
         self.recorder = recorder
         self._closed = False
+        self.connected = False
+        """Whether the live socket completed a handshake with a publisher (or, listening,
+        an engine connected)."""
+        self.frames = 0
+        """Messages read from this publisher (live and replayed)."""
         ctx = context if context is not None else zmq.Context.instance()
         # The live socket (connection events and redial included); it closes what it
         # opened and raises ConfigError when it cannot open.
@@ -259,18 +273,22 @@ class RecordingSource:
             return []
         now = time.time()
         out = self._link.connection_events(now)  # a reconnect is known before what it brought
+        if any(m.kind == CONNECTED for m in out):
+            self.connected = True
         for _ in range(limit):
             try:
                 parts = self._live.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self.recorder.live(self.endpoint, parts, now)
+            self.frames += 1
             self._relay.send_multipart(parts)
         for msg in self._source().receive(limit):
             if msg.kind in (CONNECTED, DISCONNECTED):
                 continue  # the in-process relay link, not the publisher's
             if msg.channel:  # from a replay endpoint
                 self.recorder.replayed(self.endpoint, msg)
+                self.frames += 1
             out.append(msg)
         return out
 

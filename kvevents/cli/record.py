@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
@@ -74,11 +75,11 @@ def cmd_record(args: argparse.Namespace) -> int:
     topic = args.topic.encode("utf-8")
     recorder = FrameRecorder(max_batches=args.count)
     sub: Any
+    sources: list[RecordingSource] = []
     # The sockets open first: an endpoint that cannot be opened leaves OUTPUT untouched.
     if from_jetstream:
         sub = open_jetstream_subscriber(list(args.endpoints), args.stream)
     else:
-        sources: list[RecordingSource] = []
         try:
             for i, ep in enumerate(args.endpoints):
                 sources.append(RecordingSource(ep, recorder, topic, replay[i] if replay else None))
@@ -140,8 +141,37 @@ def cmd_record(args: argparse.Namespace) -> int:
         sub.close()
         status.done()
     elapsed = time.monotonic() - start
+    if not from_jetstream:
+        silent = [src for src in sources if not src.frames]
+        if silent and len(silent) == len(sources) and not any(s.connected for s in silent):
+            # nothing at all: say so, exit 1, and leave no empty capture behind
+            if not args.append and written == 0:
+                os.remove(args.output)
+            what = ", ".join(
+                f"{s.endpoint} ({_why_silent(s.endpoint, args.listen)})" for s in silent
+            )
+            left = f"nothing written to {args.output}" if written == 0 else f"{args.output} kept"
+            verb = "no engine connected to" if args.listen else "no publisher was heard on"
+            print(f"kvevents: error: {verb} {what} in {elapsed:.1f} s; {left}", file=sys.stderr)
+            return 1
+        for src in silent:
+            if src.connected:
+                print(
+                    f"kvevents: warning: {src.endpoint} connected but sent nothing in "
+                    f"{elapsed:.1f} s (an idle engine publishes only when its KV cache changes)",
+                    file=sys.stderr,
+                )
+            else:
+                verb = "no engine connected to" if args.listen else "no publisher was heard on"
+                print(
+                    f"kvevents: warning: {verb} {src.endpoint} in {elapsed:.1f} s "
+                    f"({_why_silent(src.endpoint, args.listen)})",
+                    file=sys.stderr,
+                )
     anomalies = ", ".join(f"{k} x{n}" for k, n in sorted(gaps.items())) or "none"
     kept = []
+    if recorder.copies:
+        kept.append(f"{recorder.copies} copies of batches already written")
     if recorder.undecodable:
         kept.append(f"{recorder.undecodable} undecodable frame(s) kept")
     if recorder.malformed:
@@ -154,3 +184,16 @@ def cmd_record(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _why_silent(endpoint: str, listening: bool) -> str:
+    """Why an endpoint may have stayed silent, as far as this host can tell."""
+    if listening:
+        return "nothing connected"
+    host = endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+    if endpoint.startswith("tcp://") and host and host != "*":
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError):
+            return "the host name does not resolve"
+    return "no connection was made"

@@ -50,6 +50,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_into_index(args: argparse.Namespace) -> int:
+    from kvevents.capture_account import account_capture
     from kvevents.consumers import Anomaly, BlockIndex, CaptureSource, ReceivedBatch, Subscriber
 
     source = CaptureSource(args.file, name=f"capture:{args.file}")
@@ -84,9 +85,12 @@ def _replay_into_index(args: argparse.Namespace) -> int:
         sub.close()
     summary = index.summary()
     warn_skipped(args.file, source.skipped, "replayed")
+    # the file added up as `inspect --summary` does (a second, plain read of the file)
+    account = account_capture(args.file)
     if args.json:
         out = _index_json(index, summary, anomalies, source.tail_error)
         out["skipped_ranges"] = skipped_json(source.skipped)
+        out["account"] = account.to_json()
         print(json.dumps(out))
         return 0
     print(_index_text(index, summary, sub.stats))
@@ -96,6 +100,12 @@ def _replay_into_index(args: argparse.Namespace) -> int:
             print_anomaly(a, sys.stdout)
     else:
         print("anomalies: none")
+    dropped = ", ".join(f"{k} {n}" for k, n in sorted(sub.stats.dropped.items())) or "none"
+    print(
+        f"the index applied {index.stats.batches:,} of the capture's {account.batches:,} "
+        f"batches (records the subscriber dropped: {dropped})"
+    )
+    print("\n".join(account.lines()))
     return 0
 
 

@@ -142,6 +142,9 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config {path!r} is not valid TOML: {exc}") from exc
 
 
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "a string"}
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     kind = _OPTION_TYPES[key]
     try:
@@ -149,7 +152,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             raise ValueError
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key} = {value!r} is not a {kind.__name__}") from None
+        raise ConfigError(f"{where}: {key} = {value!r} is not {_KIND_NAMES[kind]}") from None
 
 
 def _engine_from_table(t: Any, where: str) -> EngineSpec:
