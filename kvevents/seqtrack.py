@@ -182,6 +182,36 @@ class StreamTracker(Generic[T]):
         self._next = 0
         return self._begin(0, check=None)
 
+    def resume_at(self, seq: int, fingerprint: Hashable) -> None:
+        """Follow a fresh stream from a resume point: as if ``seq`` (whose payload had
+        ``fingerprint``) were the last batch applied (an index restored from a snapshot
+        taken there).  Call :meth:`check_resume` next (once the live socket is
+        connected).  Raises :class:`~kvevents.errors.ConfigError` for a negative seq or
+        a stream already followed."""
+        if seq < 0:
+            raise ConfigError(f"a resume point is a seq >= 0, got {seq}")
+        if self._next is not None or self._replaying:
+            raise ConfigError("the stream is already followed: resume_at comes first")
+        self._advance(seq, fingerprint)
+        self._front = seq
+
+    def check_resume(self) -> StartReplay | None:
+        """Check the resume point :meth:`resume_at` set, by replay from it, before
+        anything new is applied (live batches are held): its first reply must be that
+        seq with the same fingerprint, and the replay goes on with what followed.  A
+        fingerprint that differs, or a ring that holds nothing from it on, is a
+        ``publisher_restart`` (the new stream is caught up from its start); a ring that
+        moved past it reports what it no longer holds as ``unrecoverable_loss`` (reset
+        the worker).  None without a replay endpoint (nothing can be checked)."""
+        if not self._replayable or self.last is None or self._replaying:
+            return None
+        req = self._begin(self.last, check=self.last)
+        self._hold = True
+        self._strict = True
+        self._before_hold = set(self._pending)
+        self._quiet = True  # nothing older than the resume point is in flight for us
+        return req
+
     def verify(self) -> list[TrackerAction[T]]:
         """Check the stream's identity (the caller saw its connection drop and come
         back, or it resumed after a silence): replay from ``last`` and compare its

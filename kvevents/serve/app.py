@@ -15,8 +15,13 @@ Routes:
 * ``POST /route``: the same plan as the OpenAI routes (the same checks and the same
   key) without forwarding: ``{"tokens": N, "ranked": [{"engine", "rank", "gpu", "cpu",
   "storage", "load", "cost"}, ...]}`` best first.
-* ``GET /workers``, ``GET /metrics``, ``GET /healthz``, ``GET /readyz``, and the
-  dashboard at ``GET /``.
+* ``GET /workers``, ``GET /metrics``, ``GET /healthz``, ``GET /readyz`` (200 once every
+  rank has caught up and every up engine's index is complete, unless
+  ``ready_when_incomplete``), and the dashboard at ``GET /``.
+* ``GET /snapshot``: the index snapshot with every stream's resume point
+  (:mod:`~kvevents.serve.bootstrap`), for a peer started with ``--bootstrap-from``; it
+  needs the admin token when one is configured, and without one answers only on a
+  loopback address.
 
 Bad input gets a 400 with OpenAI's error shape ``{"error": {"message", "type":
 "invalid_request_error", "param", "code"}}``, ``param`` naming the field at fault; no
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -45,17 +52,20 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from kvevents.capture import CaptureWriter
+from kvevents.serve.bootstrap import SNAPSHOT_MEDIA_TYPE, fetch_snapshot, is_loopback
 from kvevents.serve.config import ServeConfig
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.plan import Planner
 from kvevents.serve.proxy import Forwarder
 from kvevents.serve.routing import LoadTracker, RoutingPolicy
 from kvevents.serve.status import WorkersReport
-from kvevents.serve.telemetry import ServeMetrics
+from kvevents.serve.telemetry import ServeMetrics, StreamCollector
 from kvevents.serve.tokens import BadRequest, LocalTokenizer
 from kvevents.serve.upstream import EngineClients
 
 __all__ = ["ServeApp"]
+
+logger = logging.getLogger(__name__)
 
 
 class ServeApp:
@@ -70,13 +80,23 @@ class ServeApp:
     def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
         config.validate()
         self.config = config
-        self.fleet = Fleet(config, capture)
+        boot = None
+        if config.bootstrap_from is not None:
+            t0 = time.perf_counter()
+            boot = fetch_snapshot(config.bootstrap_from, config.admin_token)
+            logger.warning(
+                "bootstrap: fetched %s (%d bytes, %d streams) in %.2f s",
+                config.bootstrap_from, len(boot.index), len(boot.streams),
+                time.perf_counter() - t0,
+            )  # fmt: skip
+        self.fleet = Fleet(config, capture, boot)
         self.loads = LoadTracker(config.load_tokens)
         self.policy = RoutingPolicy(self.fleet, config.policy, self.loads, config.seed)
         sub = self.fleet.subscriber
         self.metrics = ServeMetrics(
             [("subscriber", sub), ("index", self.fleet.index), ("decoder", sub.decoder)]
         )
+        self.metrics.registry.register(StreamCollector(self.fleet))
         self.upstream = EngineClients(config, self.fleet, self.loads, self.metrics)
         local = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self.planner = Planner(self.fleet, self.policy, self.upstream, local)
@@ -97,6 +117,7 @@ class ServeApp:
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
+                Route("/snapshot", self._snapshot, methods=["GET"]),
                 Route("/", self._dashboard, methods=["GET"]),
             ],
             lifespan=self._lifespan,
@@ -180,11 +201,31 @@ class ServeApp:
         missing = self.fleet.not_ready()
         now = time.monotonic()
         down = [e.name for e in self.config.engines if not self.fleet.is_up(e.name, now)]
+        incomplete = self.fleet.incomplete(now)
+        body: dict[str, Any] = {"ready": True, "down": down, "incomplete": incomplete}
         if missing:
-            return JSONResponse(
-                {"ready": False, "not_ready": missing, "down": down}, status_code=503
+            body.update(ready=False, not_ready=missing)
+        elif incomplete and not self.config.ready_when_incomplete:
+            body["ready"] = False
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    async def _snapshot(self, request: Request) -> Response:
+        """The index snapshot with every stream's resume point (``--bootstrap-from``)."""
+        token = self.config.admin_token
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return self.forwarder.error("/snapshot", "a valid admin token is required", 401)
+        elif not is_loopback(self.config.host):
+            return self.forwarder.error(
+                "/snapshot",
+                "the service listens beyond loopback: start it with --admin-token to serve "
+                "/snapshot",
+                403,
             )
-        return JSONResponse({"ready": True, "down": down})
+        snap = await asyncio.to_thread(self.fleet.snapshot)
+        self.metrics.requests.labels("/snapshot", "200").inc()
+        return Response(snap.encode(), media_type=SNAPSHOT_MEDIA_TYPE)
 
     async def _dashboard(self, request: Request) -> Response:
         page = resources.files("kvevents.serve").joinpath("static/dashboard.html").read_text()

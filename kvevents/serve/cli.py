@@ -102,6 +102,31 @@ def add_parsers(sub: Any) -> None:
         "kvevents relay) instead of their ZMQ sockets; engines are then NAME=HTTP_URL",
     )
     p.add_argument("--stream", help="JetStream stream with --nats (default KV_EVENTS)")
+    p.add_argument(
+        "--stale-after",
+        type=float,
+        metavar="S",
+        help="an engine rank with no event and no replay answer for S seconds is untrusted: "
+        "routed by load alone until its events return (30)",
+    )
+    p.add_argument(
+        "--bootstrap-from",
+        metavar="URL",
+        help="restore the index of a running kvevents serve (its /snapshot) and catch each "
+        "stream up from the snapshot's resume point",
+    )
+    p.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="bearer token /snapshot requires (also sent to --bootstrap-from); without it "
+        "/snapshot answers only on a loopback address (env KVEVENTS_SERVE_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--ready-when-incomplete",
+        action="store_true",
+        default=None,
+        help="/readyz does not wait for every engine's index to be complete",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=_cmd_serve)
@@ -136,6 +161,12 @@ def add_parsers(sub: Any) -> None:
         help="step time added per prompt token computed (20 us)",
     )
     q.add_argument("--lora", metavar="A[,B...]", help="LoRA adapter names served besides the base")
+    q.add_argument(
+        "--buffer-steps",
+        type=int,
+        metavar="N",
+        help="batches each engine keeps for replay (10000)",
+    )
     q.set_defaults(func=_cmd_sim_serve)
 
     p = sub.add_parser(

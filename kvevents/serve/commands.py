@@ -56,6 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "nats_url": args.nats,
             "nats_stream": args.stream,
+            "stale_after_s": args.stale_after,
+            "bootstrap_from": args.bootstrap_from,
+            "admin_token": args.admin_token,
+            "ready_when_incomplete": args.ready_when_incomplete,
         },
     )
     service = ServeApp(config)
@@ -101,8 +105,11 @@ def cmd_sim_serve(args: argparse.Namespace) -> int:
     if over:
         engine = replace(engine, **over)
     engine.validate()
+    if args.buffer_steps is not None and args.buffer_steps < 1:
+        raise ConfigError("--buffer-steps must be >= 1")
     config = SimHTTPConfig(
         engine=engine,
+        buffer_steps=args.buffer_steps if args.buffer_steps is not None else 10_000,
         step_s=args.step_ms / 1000.0,
         prefill_s_per_token=args.prefill_us_per_token / 1e6,
         loras=tuple(x for x in (args.lora or "").split(",") if x),

@@ -50,6 +50,15 @@ class ServeConfig:
     * ``scrape_interval_s``: how often engines' ``/metrics`` are read.
     * ``request_timeout_s``: upstream timeout; ``connect_timeout_s`` the connect part.
     * ``retry_after_s``: how long an engine marked down is skipped before it is tried again.
+    * ``stale_after_s``: an engine rank whose stream brings no event and whose replay
+      endpoint does not answer a probe for this long is untrusted (routed by load alone)
+      until its events return.
+    * ``bootstrap_from``: a running service's URL; its ``/snapshot`` (index and resume
+      points) is restored at start, and each stream caught up from its point.
+    * ``admin_token``: the bearer token ``/snapshot`` requires (without one, only a
+      service listening on loopback answers it).
+    * ``ready_when_incomplete``: ``/readyz`` does not wait for every engine's index to be
+      complete.
     """
 
     engines: tuple[EngineSpec, ...] = ()
@@ -70,6 +79,10 @@ class ServeConfig:
     ``kvevents relay``) instead of their ZMQ sockets; engines are then ``NAME=HTTP_URL``
     with NAME as the relay names them."""
     nats_stream: str = "KV_EVENTS"
+    stale_after_s: float = 30.0
+    bootstrap_from: str | None = None
+    admin_token: str | None = None
+    ready_when_incomplete: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""
@@ -96,6 +109,10 @@ class ServeConfig:
             raise ConfigError("load_tokens, retry_after_s must be >= 0; scrape_interval_s > 0")
         if self.blocks_per_chunk is not None and self.blocks_per_chunk < 1:
             raise ConfigError("blocks_per_chunk must be >= 1")
+        if not self.stale_after_s > 0:
+            raise ConfigError(f"stale_after_s must be > 0, not {self.stale_after_s}")
+        if self.bootstrap_from is not None and self.nats_url is not None:
+            raise ConfigError("--bootstrap-from follows ZMQ streams: not with --nats")
 
 
 _OPTION_TYPES: dict[str, type] = {
@@ -113,6 +130,10 @@ _OPTION_TYPES: dict[str, type] = {
     "seed": int,
     "nats_url": str,
     "nats_stream": str,
+    "stale_after_s": float,
+    "bootstrap_from": str,
+    "admin_token": str,
+    "ready_when_incomplete": bool,
 }
 
 _ENV = {
@@ -121,6 +142,7 @@ _ENV = {
     "KVEVENTS_SERVE_POLICY": "policy",
     "KVEVENTS_SERVE_TOKENIZER": "tokenizer",
     "KVEVENTS_SERVE_LOAD_TOKENS": "load_tokens",
+    "KVEVENTS_SERVE_ADMIN_TOKEN": "admin_token",
 }
 
 
@@ -147,6 +169,13 @@ _KIND_NAMES = {int: "a whole number", float: "a number", str: "a string"}
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     kind = _OPTION_TYPES[key]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return text in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: {key} = {value!r} is not a boolean")
     try:
         if kind is int and isinstance(value, bool):
             raise ValueError

@@ -1,4 +1,4 @@
-"""The service's view of its engines: event consumption, index, readiness, health.
+"""The service's view of its engines: event consumption, index, readiness, health, trust.
 
 A :class:`Fleet` owns one consumer thread: a :class:`~kvevents.consumers.Subscriber` over
 every engine rank's publisher (catching each up from the start of its replay buffer)
@@ -21,6 +21,24 @@ is also written to it, as ``kvevents record`` would.
 Health: an engine whose HTTP front refuses connections is marked down
 (:meth:`Fleet.mark_down`) and skipped until :meth:`Fleet.mark_up` (the metrics scrape
 reaching it again).
+
+Completeness: a rank is ``complete`` when its index knows its history from seq 0, or
+from a resume point restored from a peer's snapshot that the replay still covered;
+``incomplete`` once the ring no longer held the start of its stream
+(``history_missed``) or batches were lost for good, until a publisher restart starts a
+new history; ``resuming`` while its resume point is being checked.  ``/readyz`` waits
+for every engine that is up to be complete.
+
+Trust: a rank whose stream brings no batch and whose replay endpoint answers no probe for
+``stale_after_s`` (the subscriber's ``stale``) is untrusted: the index leaves it out
+(:meth:`BlockIndex.set_stale`), so the routing policy gives it no KV credit and ranks it
+by load alone; one line is logged each way.  Counters per rank (gaps, batches missing,
+restarts, stale periods, decode failures) feed the ``kvevents_stream_*`` metrics.
+
+Snapshots: :meth:`Fleet.snapshot` takes the index and every rank's resume point (the
+last applied seq and its payload fingerprint) on the consumer thread, between two
+batches; a fleet built with a :class:`~kvevents.serve.bootstrap.PeerSnapshot` restores
+that index and has the subscriber check each point by replay and follow from it.
 
 Nothing here needs the ``serve`` extra.
 """
@@ -47,8 +65,13 @@ from kvevents.consumers import (
     ZmqSource,
 )
 from kvevents.consumers.sources import REPLAY_END
+from kvevents.consumers.subscriber.items import BAD_FRAME_KIND, LIVE_AGAIN, STALE, UNDECODABLE
+from kvevents.consumers.subscriber.streams import fingerprint
+from kvevents.errors import ConfigError
 from kvevents.events import MEDIUM_GPU, KVEventBatch
 from kvevents.jetstream.reader import JetStreamSubscriber
+from kvevents.seqtrack import GAP, HISTORY_MISSED, PUBLISHER_RESTART, UNRECOVERABLE_LOSS
+from kvevents.serve.bootstrap import PeerSnapshot, StreamPoint
 from kvevents.serve.config import EngineSpec, ServeConfig
 
 __all__ = ["Fleet", "RankState"]
@@ -80,6 +103,54 @@ class RankState:
 
     was_ready: bool = False
     """Latched: the rank has been ready once (the service's start-up catch-up is done)."""
+
+    stale: bool = False
+    """Its stream is silent: no batch and no answer to a replay probe for
+    ``stale_after_s`` (the subscriber's ``stale``).  An engine whose HTTP front answers
+    meanwhile is untrusted: routed by load alone."""
+    missed: bool = False
+    """History outstanding: the ring no longer held the start of its stream
+    (``history_missed``), or batches were lost for good (``unrecoverable_loss``)."""
+    resume: tuple[int, int] | None = None
+    """While a resume point restored from a peer's snapshot is being checked by replay:
+    ``(seq, fingerprint)``."""
+    resume_ends: int = 0
+    """:attr:`replay_ends` when the resume point was set."""
+    replay_ends: int = 0
+    """End markers read from its replay endpoint."""
+    applied_seq: int = -1
+    """The seq of the last batch applied to the index (-1: none)."""
+    last_payload: bytes | None = None
+    last_fingerprint: int | None = None
+    """The payload fingerprint of :attr:`applied_seq` when it came from a snapshot."""
+    gaps: int = 0
+    batches_missing: int = 0
+    restarts: int = 0
+    stale_periods: int = 0
+    decode_failures: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether its KV credit is used (its stream is not silent)."""
+        return not self.stale
+
+    @property
+    def completeness(self) -> str:
+        """``complete`` (its history is known from seq 0, or from a checked resume point),
+        ``resuming`` (a resume point is being checked) or ``incomplete``."""
+        if self.missed:
+            return "incomplete"
+        return "resuming" if self.resume is not None else "complete"
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(seq, fingerprint)`` of the last batch applied, None before the first."""
+        if self.applied_seq < 0:
+            return None
+        if self.last_payload is not None:
+            return self.applied_seq, fingerprint(self.last_payload)
+        if self.last_fingerprint is not None:
+            return self.applied_seq, self.last_fingerprint
+        return None
 
     @property
     def ready(self) -> bool:
@@ -163,6 +234,7 @@ class _WatchedSource:
         for msg in out:
             if msg.kind == REPLAY_END:
                 self.state.replay_answered = True
+                self.state.replay_ends += 1
             elif msg.kind == _CONNECTED:
                 self.state.connected = True
             elif msg.kind == _DISCONNECTED:
@@ -212,12 +284,23 @@ class _WatchedSource:
 class Fleet:
     """Engines, their ranks, the block index and the consumer thread feeding it."""
 
-    def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        capture: CaptureWriter | None = None,
+        bootstrap: PeerSnapshot | None = None,
+    ) -> None:
         self.config = config
         self.capture = capture
         self.gpu_only = config.policy == "kv-aware-gpu"
         self.lock = threading.Lock()
-        self.index = BlockIndex(blocks_per_chunk=config.blocks_per_chunk)
+        if bootstrap is not None and config.nats_url is not None:
+            raise ConfigError("bootstrap from a peer follows ZMQ streams, not --nats")
+        self.index = (
+            BlockIndex(blocks_per_chunk=config.blocks_per_chunk)
+            if bootstrap is None
+            else BlockIndex.restore(bootstrap.index)
+        )
         self.ranks: list[RankState] = []
         self._by_source: dict[str, RankState] = {}
         self._sources: list[_WatchedSource] = []
@@ -243,6 +326,7 @@ class Fleet:
             self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
                 replay_timeout_s=config.replay_timeout_s,
+                stale_after_s=config.stale_after_s,
                 catch_up=True,
             )
         except BaseException:
@@ -250,6 +334,8 @@ class Fleet:
                 s.close()
             raise
         self._finish_init()
+        if bootstrap is not None:
+            self._seed(bootstrap)
 
     def _init_jetstream(self, config: ServeConfig) -> None:
         """Follow the engines' batches in a JetStream stream (``kvevents relay`` wrote them
@@ -265,8 +351,46 @@ class Fleet:
         self.subscriber = JetStreamSubscriber(config.nats_url, config.nats_stream)
         self._finish_init()
 
+    def _seed(self, snap: PeerSnapshot) -> None:
+        """Follow each stream of ``snap`` from its resume point (checked by replay);
+        index workers without a usable point are dropped (their ranks start over)."""
+        by_rank = {(st.engine.name, st.rank): st for st in self.ranks}
+        seeded: set[tuple[str, int]] = set()
+        assert isinstance(self.subscriber, Subscriber)
+        for p in snap.streams:
+            st = by_rank.get((p.engine, p.rank))
+            if st is None or st.replay_endpoint is None:
+                why = "not an engine rank of this service" if st is None else "no replay endpoint"
+                logger.warning(
+                    "bootstrap: %s:%d from the snapshot is dropped (%s)", p.engine, p.rank, why
+                )
+                continue
+            wid = self.subscriber.resume(st.source, st.rank, p.seq, p.fingerprint, st.engine.topic)
+            if wid != p.worker:
+                logger.warning(
+                    "bootstrap: %s is worker %s here, %s in the snapshot: it starts over",
+                    st.label, wid, p.worker,
+                )  # fmt: skip
+                continue
+            st.resume = (p.seq, p.fingerprint)
+            st.resume_ends = st.replay_ends
+            st.applied_seq = st.last_seq = p.seq
+            st.last_fingerprint = p.fingerprint
+            st.missed = not p.complete
+            self._wids[st.label] = wid
+            seeded.add(wid)
+        for wid in self.index.workers():
+            if wid not in seeded:
+                self.index.remove_worker(wid)
+        logger.warning(
+            "bootstrap: index restored (%d workers); %d stream(s) resume from the snapshot's "
+            "points, checked by replay",
+            len(seeded), len(seeded),
+        )  # fmt: skip
+
     def _finish_init(self) -> None:
         self.anomalies: Counter[str] = Counter()
+        self._snapshot_requests: deque[tuple[threading.Event, list[Any]]] = deque()
         self._wids: dict[str, tuple[str, int]] = {}
         self.unknown_batches = 0
         self.error: BaseException | None = None
@@ -305,8 +429,6 @@ class Fleet:
             state = best
         if state is None:
             return None
-        if dp_rank != state.rank and state.rank == 0 and state.engine.dp_size == 1:
-            return state  # one publisher for several ranks would name them in batches
         return state
 
     def worker_id(self, state: RankState) -> tuple[str, int]:
@@ -340,6 +462,59 @@ class Fleet:
                 out.append(f"{st.label} ({why})")
         return out
 
+    def incomplete(self, now: float | None = None) -> list[str]:
+        """Ranks of engines that are up whose index is not complete, as
+        ``NAME:RANK (completeness)``."""
+        now = time.monotonic() if now is None else now
+        return [
+            f"{st.label} ({st.completeness})"
+            for st in self.ranks
+            if st.completeness != "complete" and self.is_up(st.engine.name, now)
+        ]
+
+    def snapshot(self, timeout_s: float = 60.0) -> PeerSnapshot:
+        """The index snapshot and every stream's resume point, taken at one instant by
+        the consumer thread (between two batches).  Blocks up to ``timeout_s`` seconds;
+        :class:`ConfigError` when the consumer thread does not answer."""
+        done = threading.Event()
+        box: list[Any] = []
+        self._snapshot_requests.append((done, box))
+        if not self._thread.is_alive() and not self._stop.is_set():
+            if self.error is not None:
+                raise ConfigError(f"the consumer thread failed: {self.error!r}")
+            self._serve_snapshots()  # not started yet: nothing runs concurrently
+        if not done.wait(timeout_s):
+            raise ConfigError(f"no snapshot within {timeout_s:g} s (consumer thread busy)")
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise ConfigError(f"snapshot failed: {result!r}")
+        assert isinstance(result, PeerSnapshot)
+        return result
+
+    def _take_snapshot(self) -> PeerSnapshot:
+        points = []
+        with self.lock:
+            for st in self.ranks:
+                rp = st.resume_point()
+                if rp is None:
+                    continue
+                points.append(
+                    StreamPoint(
+                        st.engine.name, st.rank, self.worker_id(st), rp[0], rp[1], not st.missed
+                    )
+                )
+            data = self.index.snapshot()
+        return PeerSnapshot(data, tuple(points), time.time())
+
+    def _serve_snapshots(self) -> None:
+        while self._snapshot_requests:
+            done, box = self._snapshot_requests.popleft()
+            try:
+                box.append(self._take_snapshot())
+            except Exception as exc:  # pragma: no cover - reported to the caller
+                box.append(exc)
+            done.set()
+
     # --- the consumer thread -----------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -359,8 +534,11 @@ class Fleet:
                 # often while a stream is still connecting, then a few times a second
                 settled = all(st.connected for st in self.ranks)
                 next_monitor = now + (0.25 if settled else 0.02)
+            if self._snapshot_requests:
+                self._serve_snapshots()
             item = sub.receive(timeout=0.05)
             if item is None:
+                self._settle_resumes()
                 continue
             if isinstance(item, ReceivedBatch):
                 st = self.rank_for(item.source, item.dp_rank)
@@ -381,22 +559,91 @@ class Fleet:
                 if st is not None:
                     if st.batches == 0:
                         self._wids[st.label] = (item.source, item.dp_rank)
+                    if st.resume is not None:
+                        # the first batch after the resume point: the check passed
+                        logger.warning(
+                            "%s: resumed from the snapshot's seq %d (checked by replay)",
+                            st.label,
+                            st.resume[0],
+                        )
+                        st.resume = None
+                    st.applied_seq = item.seq
+                    st.last_payload = item.payload
                     st.batches += 1
                     st.events += len(item.batch.events)
                     st.last_seq = max(st.last_seq, item.seq)
                     st.last_event_ts = time.time()
                     st.note_events(time.monotonic(), len(item.batch.events))
             elif isinstance(item, Anomaly):
-                self.anomalies[item.kind] += 1
-                if item.needs_reset and item.dp_rank is not None:
-                    with self.lock:
-                        self.index.reset_worker((item.source, item.dp_rank))
-                st = self.rank_for(item.source, item.dp_rank or 0)
-                if st is not None:
-                    st.anomalies[item.kind] += 1
-                    st.recent_anomalies.append(
-                        f"{time.strftime('%H:%M:%S')} {item.kind}: {item.detail}"[:200]
-                    )
+                self._anomaly(item)
+
+    def _anomaly(self, item: Anomaly) -> None:
+        """Count ``item`` for its rank, reset its worker when it needs one, and follow
+        its trust and completeness."""
+        self.anomalies[item.kind] += 1
+        if item.needs_reset and item.dp_rank is not None:
+            with self.lock:
+                self.index.reset_worker((item.source, item.dp_rank))
+        st = self.rank_for(item.source, item.dp_rank or 0)
+        if st is None:
+            return
+        kind = item.kind
+        st.anomalies[kind] += 1
+        st.recent_anomalies.append(f"{time.strftime('%H:%M:%S')} {kind}: {item.detail}"[:200])
+        n = 0
+        if item.first_seq is not None and item.last_seq is not None:
+            n = item.last_seq - item.first_seq + 1
+        if kind == GAP:
+            st.gaps += 1
+        elif kind in (UNDECODABLE, BAD_FRAME_KIND):
+            st.decode_failures[kind] += 1
+        elif kind in (HISTORY_MISSED, UNRECOVERABLE_LOSS):
+            st.batches_missing += n
+            st.missed = True
+            if st.resume is not None:
+                logger.warning(
+                    "%s: the snapshot's resume point (seq %d) is no longer in the engine's "
+                    "replay ring: its index starts over from what the ring holds (incomplete)",
+                    st.label, st.resume[0],
+                )  # fmt: skip
+                st.resume = None
+        elif kind == PUBLISHER_RESTART:
+            st.restarts += 1
+            st.missed = False  # a new stream: its history starts again at seq 0
+            st.applied_seq, st.last_payload, st.last_fingerprint = -1, None, None
+            if st.resume is not None:
+                logger.warning(
+                    "%s: the snapshot's resume point (seq %d) does not match the engine's "
+                    "stream (%s): its index starts over from the engine's ring",
+                    st.label, st.resume[0], item.detail,
+                )  # fmt: skip
+                st.resume = None
+        elif kind == STALE and not st.stale:
+            st.stale = True
+            st.stale_periods += 1
+            with self.lock:
+                self.index.set_stale(self.worker_id(st))
+            logger.warning(
+                "%s: untrusted: no event and no replay answer for %s s; its KV credit is "
+                "not used (routed by load alone) until its events return",
+                st.label, self.config.stale_after_s,
+            )  # fmt: skip
+        elif kind == LIVE_AGAIN and st.stale:
+            st.stale = False
+            with self.lock:
+                self.index.set_stale(self.worker_id(st), False)
+            logger.warning("%s: trusted again: its events are back", st.label)
+
+    def _settle_resumes(self) -> None:
+        """Nothing is left to take: a rank whose resume check has been answered (its end
+        marker read) with no anomaly resumed at its point (an idle engine)."""
+        for st in self.ranks:
+            if st.resume is not None and st.replay_ends > st.resume_ends:
+                logger.warning(
+                    "%s: resumed from the snapshot's seq %d (checked by replay; nothing new)",
+                    st.label, st.resume[0],
+                )  # fmt: skip
+                st.resume = None
 
 
 def _gpu_events(batch: KVEventBatch) -> KVEventBatch:

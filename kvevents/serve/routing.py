@@ -143,6 +143,16 @@ class RoutingPolicy:
             for c in scored
             if c.worker in wid_of
         ]
+        if len(ranked) < len(wid_of):
+            # untrusted ranks (silent streams, left out by the index): no KV credit, load only
+            seen = {id(r.state) for r in ranked}
+            n = len(key.tokens)
+            ranked += [
+                Ranked(st, _ZERO, load_of[wid], n + cost_loads[wid])
+                for wid, st in wid_of.items()
+                if id(st) not in seen
+            ]
+            ranked.sort(key=lambda r: (r.cost, fleet.worker_id(r.state)))
         if self.policy.startswith("kv-aware"):
             return ranked
         ranked.sort(key=lambda r: (r.state.engine.name, r.state.rank))

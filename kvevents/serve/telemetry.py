@@ -6,11 +6,19 @@ Library counters (subscriber, index, decoder) come through
 rank, request latency and time to first byte, the routing overhead, the online truth
 check (prediction error histogram; over, under and exact counters; predicted and reported
 cached tokens), upstream errors and retries, and per-engine gauges (up, in flight, load).
+
+:class:`StreamCollector` adds, per engine rank, how far its event stream is to be
+trusted: ``kvevents_stream_trusted`` and ``kvevents_stream_complete`` (1 or 0), and the
+counters ``kvevents_stream_decode_failures_total`` (by reason),
+``kvevents_stream_gaps_total``, ``kvevents_stream_batches_missing_total``,
+``kvevents_stream_restarts_total`` and ``kvevents_stream_stale_periods_total``, read
+from the fleet at each scrape.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,10 +28,15 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvevents.metrics import StatsCollector
 
-__all__ = ["ServeMetrics"]
+if TYPE_CHECKING:
+    from kvevents.serve.fleet import Fleet
+
+__all__ = ["ServeMetrics", "StreamCollector"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
@@ -104,3 +117,54 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StreamCollector(Collector):
+    """Per engine rank, the trust and completeness of its event stream and the
+    counters behind them, read from ``fleet`` at each scrape."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["engine", "rank"]
+        trusted = GaugeMetricFamily(
+            "kvevents_stream_trusted",
+            "1 if the rank's event stream is trusted (not silent), 0 if it is routed by load alone",
+            labels=labels,
+        )
+        complete = GaugeMetricFamily(
+            "kvevents_stream_complete",
+            "1 if the rank's index is complete (history known from seq 0 or a checked "
+            "resume point)",
+            labels=labels,
+        )
+        decode = CounterMetricFamily(
+            "kvevents_stream_decode_failures", "Payloads or frames that did not decode",
+            labels=[*labels, "reason"],
+        )  # fmt: skip
+        gaps = CounterMetricFamily(
+            "kvevents_stream_gaps", "Gaps seen on the live stream", labels=labels
+        )
+        missing = CounterMetricFamily(
+            "kvevents_stream_batches_missing",
+            "Batches never applied (history before the ring, or lost for good)",
+            labels=labels,
+        )
+        restarts = CounterMetricFamily(
+            "kvevents_stream_restarts", "Publisher restarts detected", labels=labels
+        )
+        stale = CounterMetricFamily(
+            "kvevents_stream_stale_periods", "Times the stream went silent", labels=labels
+        )
+        for st in list(self.fleet.ranks):
+            lv = [st.engine.name, str(st.rank)]
+            trusted.add_metric(lv, 1.0 if st.trusted else 0.0)
+            complete.add_metric(lv, 1.0 if st.completeness == "complete" else 0.0)
+            for reason in ("undecodable", "bad_frame"):
+                decode.add_metric([*lv, reason], float(st.decode_failures.get(reason, 0)))
+            gaps.add_metric(lv, float(st.gaps))
+            missing.add_metric(lv, float(st.batches_missing))
+            restarts.add_metric(lv, float(st.restarts))
+            stale.add_metric(lv, float(st.stale_periods))
+        yield from (trusted, complete, decode, gaps, missing, restarts, stale)

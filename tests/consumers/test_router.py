@@ -113,3 +113,17 @@ def test_prompt_shorter_than_a_unit_matches_nothing() -> None:
     serve(index, A, SYSTEM[:64])
     assert Router(index).find_matches(SYSTEM[:15]) == {}
     assert Router(index).select(SYSTEM[:15]) == A
+
+
+def test_a_removed_stale_worker_that_comes_back_is_scored_and_selected() -> None:
+    index = BlockIndex(blocks_per_chunk=2)
+    serve(index, A, SYSTEM[:64])
+    index.set_stale(A)
+    index.remove_worker(A)
+    assert index.stale_workers == frozenset()
+    # The worker comes back under the same id: matched, scored and selectable alike.
+    serve(index, A, SYSTEM[:64])
+    router = Router(index)
+    assert router.find_matches(SYSTEM[:64])[A].gpu == 48
+    assert [c.worker for c in router.score(SYSTEM[:64])] == [A]
+    assert router.select(SYSTEM[:64]) == A

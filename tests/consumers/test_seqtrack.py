@@ -546,3 +546,45 @@ def test_live_in_order_is_live_without_the_actions(
         elif replay_id is not None:
             assert fast.replay_end(replay_id) == ref.replay_end(replay_id)
         assert state(fast) == state(ref)
+
+
+def test_a_resume_point_still_in_the_ring_is_checked_then_followed():
+    t: StreamTracker[Item] = StreamTracker()
+    t.resume_at(5, (0, 5))
+    assert kinds([t.check_resume()]) == ["replay@5#1"]
+    assert live(t, 8) == []  # held until the check answers
+    assert rep(t, 1, 5) == ["drop:replay_overlap"]
+    assert rep(t, 1, 6) == ["D6r"]
+    assert rep(t, 1, 7) == ["D7r", "D8"]
+    assert kinds(t.replay_end(1)) == []
+    assert live(t, 9) == ["D9"]
+    # an idle publisher: the check answers with the point alone
+    idle: StreamTracker[Item] = StreamTracker()
+    idle.resume_at(5, (0, 5))
+    rid = idle.check_resume().replay_id  # type: ignore[union-attr]
+    assert rep(idle, rid, 5) == ["drop:replay_overlap"]
+    assert kinds(idle.replay_end(rid)) == [] and not idle.replaying
+    assert live(idle, 6) == ["D6"]
+
+
+def test_a_resume_point_the_ring_left_behind_or_that_differs_starts_over():
+    gone: StreamTracker[Item] = StreamTracker()
+    gone.resume_at(5, (0, 5))
+    rid = gone.check_resume().replay_id  # type: ignore[union-attr]
+    assert rep(gone, rid, 9) == ["unrecoverable_loss:6-8", "D9r"]
+    # another payload under the point's seq: a new publisher process, caught up from 0
+    other: StreamTracker[Item] = StreamTracker()
+    other.resume_at(5, (0, 5))
+    rid = other.check_resume().replay_id  # type: ignore[union-attr]
+    assert rep(other, rid, 5, epoch=1) == [f"{PUBLISHER_RESTART}:None-5", f"replay@0#{rid + 1}"]
+    # a ring that holds nothing from the point on: a new process too
+    behind: StreamTracker[Item] = StreamTracker()
+    behind.resume_at(5, (0, 5))
+    rid = behind.check_resume().replay_id  # type: ignore[union-attr]
+    assert kinds(behind.replay_end(rid))[0].startswith(PUBLISHER_RESTART)
+    # only a fresh stream takes a resume point; without replay nothing is checked
+    with pytest.raises(ValueError):
+        gone.resume_at(3, (0, 3))
+    blind: StreamTracker[Item] = StreamTracker(replayable=False)
+    blind.resume_at(5, (0, 5))
+    assert blind.check_resume() is None and live(blind, 6) == ["D6"]

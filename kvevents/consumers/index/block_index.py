@@ -176,7 +176,9 @@ class BlockIndex:
         self._feed.clear_tiers(w, keep_metadata=False)
 
     def remove_worker(self, worker: WorkerId) -> None:
-        """Forget a worker entirely and free its slots."""
+        """Forget a worker entirely and free its slots (a stale mark included: a worker
+        that comes back under the same id starts live)."""
+        self._stale.discard(worker)
         w = self._feed.workers.get(worker)
         if w is None:
             return

@@ -55,7 +55,7 @@ from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey, fingerpr
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
-from kvevents.errors import DecodeError
+from kvevents.errors import ConfigError, DecodeError
 from kvevents.events import KVEventBatch
 from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
@@ -220,6 +220,39 @@ class SubscriberCore:
     def stale_workers(self) -> list[tuple[str, int]]:
         """The workers currently stale (see the package docstring), sorted."""
         return sorted(k for k, s in self._streams.items() if s.stale)
+
+    def resume(
+        self, source: str, dp_rank: int, seq: int, fingerprint: int, topic: bytes | str = b""
+    ) -> tuple[str, int]:
+        """Follow the stream of ``source`` (a source's name), ``topic`` and ``dp_rank``
+        from a resume point instead of from its ring's start: its batch ``seq``, whose
+        payload fingerprint (:func:`~kvevents.consumers.subscriber.streams.fingerprint`)
+        was ``fingerprint``, is taken as applied (the caller restored an index taken
+        there).  A replay from ``seq`` checks it before anything new is delivered (once
+        the live socket connects, for a source that reports connections; that source's
+        start-up catch-up is skipped): see
+        :meth:`~kvevents.seqtrack.StreamTracker.check_resume` for what a point the ring
+        no longer holds, or another payload under that seq, reports.  Call before
+        receiving; returns the stream's worker ``(source, dp_rank)``.  Raises
+        :class:`~kvevents.errors.ConfigError` for an unknown source or a stream already
+        followed."""
+        src = next((s for s in self._sources if s.name == source), None)
+        if src is None:
+            raise ConfigError(f"no source named {source!r}")
+        if isinstance(topic, str):
+            topic = topic.encode()
+        table = self._table
+        key = (table.worker_source(source, topic), dp_rank)
+        st = table.open(key, src, topic, time.monotonic())
+        st.tracker.resume_at(seq, fingerprint)
+        replays = self._replays
+        if getattr(src, "monitored", False):
+            replays.resume_on_connect.setdefault(src.name, []).append(key)
+        else:
+            req = st.tracker.check_resume()
+            if req is not None:
+                replays.schedule(key, req)
+        return key
 
     def gauges(self, now: float | None = None) -> dict[str, float]:
         """Current state, for metrics (``now``: wall-clock seconds, default the time now).

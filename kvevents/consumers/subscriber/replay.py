@@ -77,6 +77,9 @@ class ReplayScheduler:
         self.cut_channels: set[ChannelKey] = set()
         """The channels closed during the current read (:meth:`new_read` empties it)."""
         self._by_name = {src.name: src for src in sources}
+        self.resume_on_connect: dict[str, list[StreamKey]] = {}
+        """Per source name, the streams seeded with a resume point whose check waits for
+        the live socket to connect (it replaces that source's first catch-up)."""
         self.touched: list[Source] = []
         """Sources asked for a replay or told to drop one since the caller last cleared
         this (their sockets' state changed: the caller settles them before waiting)."""

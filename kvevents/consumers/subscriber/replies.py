@@ -139,7 +139,15 @@ class ReplyRouter:
                 if st.src is src:
                     self.outbox.apply(key, st.tracker.verify())
             sched.pump(now)
-        if catch_up:
+        seeded = sched.resume_on_connect.pop(src.name, None)
+        if seeded is not None:
+            # Streams resumed from a snapshot: checked from their resume points instead
+            # of a catch-up of the whole ring.
+            for key in seeded:
+                req = self.streams[key].tracker.check_resume()
+                if req is not None:
+                    sched.schedule(key, req)
+        elif catch_up:
             sched.catch_up_source(src, now)
 
     def replay_disconnected(self, src: Source, channel: str, now: float) -> None:

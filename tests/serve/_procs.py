@@ -1,0 +1,185 @@
+"""Helpers for tests that run ``kvevents`` subprocesses: a process whose output lines
+are read on threads, a condition wait, and a TCP proxy that can cut its links (a
+firewall between an engine's publisher and the service)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    """Wait for ``cond()`` (an HTTP error counts as False) for up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Proc:
+    """A ``kvevents`` subprocess; its stdout and stderr lines are collected on threads."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "kvevents.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.errors: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def _read_err(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self.errors.append(line.rstrip("\n"))
+
+    def read_lines(self, n: int, timeout: float = 60.0) -> list[str]:
+        out = []
+        deadline = time.monotonic() + timeout
+        while len(out) < n:
+            try:
+                out.append(self.lines.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"no output from {self.p.args}: {self.errors[-20:]}") from None
+        return out
+
+    def stderr_has(self, text: str) -> bool:
+        return any(text in line for line in list(self.errors))
+
+    def stop(self) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.p.returncode
+
+
+def sim_engines(n: int, *args: str) -> tuple[Proc, list[str]]:
+    """``kvevents sim serve --engines n ARGS``: the process and its ``--engine`` specs."""
+    proc = Proc("sim", "serve", "--engines", str(n), *args)
+    lines = proc.read_lines(n)
+    return proc, [line.removeprefix("--engine ") for line in lines]
+
+
+def serve(specs: list[str], *args: str) -> tuple[Proc, str]:
+    """``kvevents serve`` in front of ``specs`` on a free loopback port: the process and
+    its URL."""
+    argv = [a for s in specs for a in ("--engine", s)]
+    proc = Proc("serve", *argv, "--port", "0", "--scrape-interval", "0.2", *args)
+    (line,) = proc.read_lines(1)
+    m = re.search(r"http://127\.0\.0\.1:\d+", line)
+    assert m, line
+    return proc, m.group(0)
+
+
+def spec_parts(spec: str) -> tuple[str, str, str, str]:
+    """``NAME=HTTP,EVENTS,REPLAY`` as its four parts."""
+    name, rest = spec.split("=", 1)
+    http, events, replay = rest.split(",")
+    return name, http, events, replay
+
+
+class CutProxy:
+    """A loopback TCP proxy to ``target`` (``tcp://HOST:PORT``) whose links can be cut:
+    :meth:`cut` closes every connection and refuses new ones (closed as soon as
+    accepted) until :meth:`restore`.  :attr:`endpoint` is the proxy's ``tcp://``."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.endpoint = f"tcp://127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.open = True
+        self.closed = False
+        self._links: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.lsock.accept()
+            except OSError:
+                return
+            if not self.open:
+                conn.close()
+                continue
+            try:
+                up = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                conn.close()
+                continue
+            up.settimeout(None)
+            with self._lock:
+                self._links += [conn, up]
+            threading.Thread(target=self._pump, args=(conn, up), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        self.open = False
+        with self._lock:
+            links, self._links = self._links, []
+        for s in links:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def restore(self) -> None:
+        self.open = True
+
+    def close(self) -> None:
+        self.closed = True
+        self.cut()
+        self.lsock.close()

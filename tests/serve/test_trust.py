@@ -1,0 +1,113 @@
+"""Stream trust, with real processes: an engine whose HTTP front answers while its event
+stream is cut (a proxy between its publisher and the service closes every link) is
+untrusted within ``--stale-after``: its KV credit is not used (it is routed by load
+alone), one line says so, ``/workers`` and the metrics show it; it is trusted again once
+its events return.  And the consumer thread looks ranks up without deprecated names (with
+warnings as errors, one killed the thread)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+import httpx
+
+from serve._procs import CutProxy, Proc, serve, sim_engines, spec_parts, wait_until
+
+STALE_AFTER_S = 2.0
+PROMPT = "an old conversation that only the first engine holds in its cache. " * 8
+
+
+def worker(url: str, name: str) -> dict:
+    return next(w for w in httpx.get(url + "/workers").json()["workers"] if w["worker"] == name)
+
+
+def credit(url: str, name: str) -> int:
+    ranked = httpx.post(url + "/route", json={"prompt": PROMPT + "and more"}, timeout=30).json()
+    return next(r["gpu"] for r in ranked["ranked"] if f"{r['engine']}:{r['rank']}" == name)
+
+
+def test_a_silent_stream_is_untrusted_routed_by_load_and_trusted_again() -> None:
+    sims, specs = sim_engines(2)
+    procs: list[Proc] = [sims]
+    name, http, events, replay = spec_parts(specs[0])
+    ev, rep = CutProxy(events), CutProxy(replay)
+    try:
+        service, url = serve(
+            [f"{name}={http},{ev.endpoint},{rep.endpoint}", specs[1]],
+            "--stale-after", str(STALE_AFTER_S),
+        )  # fmt: skip
+        procs.append(service)
+        wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, what="/readyz")
+        # The first engine holds the prompt: KV credit for it.
+        r = httpx.post(
+            http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60
+        )
+        assert r.status_code == 200
+        wait_until(lambda: credit(url, "sim-0:0") > 0, what="sim-0's KV credit")
+        assert worker(url, "sim-0:0")["trusted"] is True
+
+        # Its stream is cut; its HTTP front still answers.
+        cut_at = time.monotonic()
+        ev.cut()
+        rep.cut()
+        wait_until(lambda: worker(url, "sim-0:0")["trusted"] is False,
+                   timeout=STALE_AFTER_S + 20, what="sim-0 untrusted")  # fmt: skip
+        untrusted_after = time.monotonic() - cut_at
+        # (the bound: stale_after_s; plus one liveness scan and a /workers poll, loaded box)
+        assert untrusted_after < STALE_AFTER_S + 5, untrusted_after
+        w = worker(url, "sim-0:0")
+        assert w["up"] is True and w["state"] == "stale"
+        assert w["stream"]["stale_periods"] == 1
+        assert credit(url, "sim-0:0") == 0  # no KV credit: routed by load alone
+        ranked = httpx.post(url + "/route", json={"prompt": PROMPT}, timeout=30).json()["ranked"]
+        assert {f"{r['engine']}:{r['rank']}" for r in ranked} == {"sim-0:0", "sim-1:0"}
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvevents_stream_trusted{engine="sim-0",rank="0"} 0.0' in metrics
+        assert 'kvevents_stream_trusted{engine="sim-1",rank="0"} 1.0' in metrics
+        assert 'kvevents_stream_stale_periods_total{engine="sim-0",rank="0"} 1.0' in metrics
+        lines = [x for x in service.errors if "untrusted" in x]
+        assert len(lines) == 1 and "sim-0:0" in lines[0], service.errors[-10:]
+        # Served meanwhile: a request still goes through (to whichever rank costs less).
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 20, "max_tokens": 2})
+        assert r.status_code == 200
+
+        # The links come back: trusted again, with its credit.
+        ev.restore()
+        rep.restore()
+        wait_until(lambda: worker(url, "sim-0:0")["trusted"] is True,
+                   timeout=60, what="sim-0 trusted again")  # fmt: skip
+        assert credit(url, "sim-0:0") > 0
+        assert service.stderr_has("sim-0:0: trusted again")
+        assert (
+            'kvevents_stream_trusted{engine="sim-0",rank="0"} 1.0'
+            in httpx.get(url + "/metrics").text
+        )
+        print(f"untrusted after {untrusted_after:.2f} s (stale_after_s {STALE_AFTER_S})")
+    finally:
+        ev.close()
+        rep.close()
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_rank_lookup_of_a_data_parallel_rank_raises_no_warning() -> None:
+    from kvevents.serve.config import ServeConfig, parse_engine_spec
+    from kvevents.serve.fleet import Fleet
+
+    spec = parse_engine_spec("x=http://127.0.0.1:9,tcp://127.0.0.1:9,tcp://127.0.0.1:10;dp=2")
+    fleet = Fleet(replace(ServeConfig(), engines=(spec,)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # rank 1's own stream, and a rank-1 batch on rank 0's stream (one publisher
+            # naming several ranks): the thread looked a deprecated alias up for it
+            assert fleet.rank_for("x@dp1", 1) is fleet.ranks[1]
+            assert fleet.rank_for("x", 1) is fleet.ranks[0]
+    finally:
+        fleet.close()
