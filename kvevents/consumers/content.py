@@ -63,6 +63,8 @@ from kvevents.request import RequestKey, embeds_digest
 __all__ = [
     "ROOT_KEY",
     "EventExtras",
+    "StoreTokens",
+    "chain_block",
     "chain_units",
     "extra_key",
     "lookahead_key",
@@ -214,10 +216,17 @@ def chain_units(parent: int, tokens: Sequence[int], unit: int) -> int:
 def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtras | None) -> int:
     """The chain key at the end of one engine block (``tokens``, a whole number of units)
     chained on ``parent``, with the block's extras (the salt is the root's business)."""
-    if extras is None:
-        return chain_units(parent, tokens, unit)
-    mv = memoryview(pack_tokens(tokens))
+    return _chain_block_packed(parent, memoryview(pack_tokens(tokens)), unit, extras)
+
+
+def _chain_block_packed(parent: int, mv: memoryview, unit: int, extras: EventExtras | None) -> int:
+    """:func:`chain_block` over the block's packed token ids."""
     width = 8 * unit
+    if extras is None:
+        k = parent
+        for a in range(0, len(mv), width):
+            k = _xxh(mv[a : a + width], k)
+        return k
     starts: dict[int, list[tuple[str, int]]] = {}
     for ident, off in extras.mm:
         # (an input starting at or after the block end is a lookahead-window input: the
@@ -231,6 +240,39 @@ def chain_block(parent: int, tokens: Sequence[int], unit: int, extras: EventExtr
     for item in extras.tail:
         k = _tail_fold(k, item)
     return k
+
+
+class StoreTokens:
+    """One event's token ids, packed once, from which each block's chain key is made.
+
+    :meth:`block_key` equals :func:`chain_block` over the block's tokens; when some id of
+    the event cannot be packed, each block's own ids are packed instead, so a bad id
+    costs only the blocks that hold it.
+    """
+
+    __slots__ = ("packed", "tokens", "unit")
+
+    def __init__(self, tokens: Sequence[int], unit: int) -> None:
+        self.tokens = tokens
+        self.unit = unit
+        self.packed: memoryview | None
+        try:
+            self.packed = memoryview(pack_tokens(tokens))
+        except ConfigError:
+            self.packed = None
+
+    def block_key(self, parent: int, start: int, size: int, extras: EventExtras | None) -> int:
+        """The chain key of the block of ``size`` tokens from ``start``, chained on
+        ``parent``.  Raises :class:`~kvevents.errors.ConfigError` when its ids are not
+        all signed 64-bit ints."""
+        packed = self.packed
+        if packed is None:
+            return chain_block(parent, self.tokens[start : start + size], self.unit, extras)
+        if extras is None and size == self.unit:  # (the usual block: one unit)
+            return _xxh(packed[8 * start : 8 * (start + size)], parent)
+        return _chain_block_packed(
+            parent, packed[8 * start : 8 * (start + size)], self.unit, extras
+        )
 
 
 def lookahead_mm(extras: EventExtras | None, block_size: int) -> list[tuple[str, int]]:

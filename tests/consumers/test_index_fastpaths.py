@@ -1,13 +1,14 @@
-"""apply's inline fast paths agree with the general path, state for state.
+"""Batches and single events, packed and wide records: one index, whatever the feeding.
 
-``BlockIndex.apply`` applies the dominant event shapes (one-hash GPU removals, one-hash
-CPU/STORAGE placeholders, new GPU records packed inline) without the general per-event
-code.  The reference index takes the general path everywhere: it is fed event by event
-through ``apply_event`` and keeps token ids, which makes its records tuples (the fast
-paths only handle packed-int records).  Random streams (duplicates, unknown hashes,
-orphans, placeholders before and after their GPU store, clears, several groups, tiny
-caps so that LRU eviction and metadata trimming run) must leave identical counters,
-summaries, block info (but the token ids) and matches.
+The index applies a batch (``BlockIndex.apply``) and a single event
+(``BlockIndex.apply_event``) by the same rules, and its records are packed ints unless a
+block carries wide fields (token ids kept, LoRA names, extra keys), when they are
+tuples; plain GPU stores also link their blocks freely for the memory cap.  The
+reference index is fed event by event and keeps token ids, so its records are all
+tuples and it never links freely.  Random streams (duplicates, unknown hashes, orphans,
+placeholders before and after their GPU store, clears, several groups, tiny caps so
+that LRU eviction and metadata trimming run) must leave identical counters, summaries,
+block info (but the token ids) and matches.
 """
 
 from __future__ import annotations

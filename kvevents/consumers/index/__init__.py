@@ -2,9 +2,9 @@
 
 =================  ================================================================
 ``block_index``    :class:`BlockIndex`, the facade: configuration, queries, snapshots
-``apply``          the batch apply loop and its fast paths
+``apply``          the batch apply loop: each event to the rule of its kind
 ``stores``         ``BlockStored``: metadata records, the GPU/CPU join, learning
-``refs``           tier refcounts in and out, clears (the general path)
+``refs``           tier refcounts in and out, residency, clears
 ``legacy``         vLLM <= 0.23 offload events (bytes hashes, no group)
 ``marks``          content key -> slot bitsets per tier, counted
 ``join``           the pending table and the retention of GPU-removed metadata

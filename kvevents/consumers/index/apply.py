@@ -18,6 +18,8 @@ A medium the index does not know (:data:`.workers.TIER_OF`) is counted as
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvevents.consumers.index.legacy import legacy_remove, legacy_store
 from kvevents.consumers.index.stores import Stores
 from kvevents.consumers.index.workers import GPU, TIER_OF, WorkerState
@@ -37,40 +39,44 @@ class Feeder(Stores):
     def apply(self, source: str, dp_rank: int, batch: KVEventBatch) -> None:
         """Apply every event of ``batch`` from worker ``(source, dp_rank)`` in order."""
         self.stats.batches += 1
-        w = self.worker((source, dp_rank))
-        for ev in batch.events:
-            self.apply_event(w, ev)
+        self.apply_events(self.worker((source, dp_rank)), batch.events)
 
     def apply_event(self, w: WorkerState, ev: KVEvent) -> None:
-        """Apply one event from worker ``w`` (see the module docstring for the rules)."""
+        """Apply one event from worker ``w``."""
+        self.apply_events(w, (ev,))
+
+    def apply_events(self, w: WorkerState, events: Iterable[KVEvent]) -> None:
+        """Apply ``events`` from worker ``w`` in order, each by the rule of its kind and
+        tier (see the module docstring)."""
         stats = self.stats
-        stats.applied += 1
-        if type(ev) is BlockRemoved:
-            n = len(ev.block_hashes)
-            stats.block_events += n
-            tier = TIER_OF.get(ev.medium, -1)
-            if tier < 0:
-                stats.skipped["unknown_medium"] += n
-            elif tier != GPU and _is_legacy(ev):
-                legacy_remove(self, w, ev.block_hashes, tier)
-            else:
-                self.remove(w, ev.group_idx or 0, ev.block_hashes, tier)
-        elif type(ev) is BlockStored:
-            n = len(ev.block_hashes)
-            stats.block_events += n
-            tier = TIER_OF.get(ev.medium, -1)
-            if tier < 0:
-                stats.skipped["unknown_medium"] += n
-            elif tier == GPU:
-                self.store_described(w, ev, tier)
-            elif ev.block_size > 0 and ev.token_ids:
-                self.store_self_describing(w, ev, tier)
-            elif _is_legacy(ev):
-                legacy_store(self, w, ev, tier)
-            else:
-                self.store_placeholder(w, ev, tier)
-        elif type(ev) is AllBlocksCleared:
-            stats.cleared += 1
-            self.clear_tiers(w, keep_metadata=True)
-        else:  # pragma: no cover - the decoder yields only the three classes
-            stats.skipped["unknown_event"] += 1
+        for ev in events:
+            stats.applied += 1
+            if type(ev) is BlockRemoved:
+                n = len(ev.block_hashes)
+                stats.block_events += n
+                tier = TIER_OF.get(ev.medium, -1)
+                if tier < 0:
+                    stats.skipped["unknown_medium"] += n
+                elif tier != GPU and _is_legacy(ev):
+                    legacy_remove(self, w, ev.block_hashes, tier)
+                else:
+                    self.remove(w, ev.group_idx or 0, ev.block_hashes, tier)
+            elif type(ev) is BlockStored:
+                n = len(ev.block_hashes)
+                stats.block_events += n
+                tier = TIER_OF.get(ev.medium, -1)
+                if tier < 0:
+                    stats.skipped["unknown_medium"] += n
+                elif tier == GPU:
+                    self.store_described(w, ev, tier)
+                elif ev.block_size > 0 and ev.token_ids:
+                    self.store_self_describing(w, ev, tier)
+                elif _is_legacy(ev):
+                    legacy_store(self, w, ev, tier)
+                else:
+                    self.store_placeholder(w, ev, tier)
+            elif type(ev) is AllBlocksCleared:
+                stats.cleared += 1
+                self.clear_tiers(w, keep_metadata=True)
+            else:  # pragma: no cover - the decoder yields only the three classes
+                stats.skipped["unknown_event"] += 1

@@ -17,32 +17,36 @@ takes a store's blocks leaf first, so such a block's first place comes before ev
 place of its parent, and when the queue reaches it the block is evicted, or deferred
 and then counted (the flag cleared).  The eviction order is the one full counts give;
 the usual GPU store of many blocks costs one count instead of one per block, and
-their one-hash removals none.  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stats`
-and :mod:`.workers`.
+their one-hash removals none.  Which stores link freely is decided block by block in
+:mod:`.stores` (plain GPU stores of new blocks).
+
+Changing a rule here: the order is :meth:`Eviction.evict`'s three steps;
+``tests/consumers/test_index_cap.py`` checks the bound, the children counts and the
+free links against a recount after random streams, and that two indexes fed one stream
+evict the same entries; ``tests/consumers/test_index_snapshot_bytes.py`` pins the
+index's whole state for fixed streams, so a change of order shows there as new digests
+(record them, and bump :data:`~.snapshot.SNAPSHOT_FORMAT` if the state's layout
+changes).  Imports :mod:`.marks`, :mod:`.records`, :mod:`.stats` and :mod:`.workers`.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, Union
 
 from kvevents.consumers.index.marks import TierMarks, unmark
 from kvevents.consumers.index.records import (
-    CK_MASK,
-    FREE_LINK,
-    GPU_ONE,
-    HAS_CK,
-    PARENT_MASK,
-    PARENT_SHIFT,
     Hash,
     Record,
     content_key,
     counted_parent,
     gpu_refs,
+    has_free_link,
     parent_of,
+    without_free_link,
 )
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerTable
@@ -59,7 +63,7 @@ unsigned 64-bit ints (as vLLM's are)."""
 class Eviction:
     """Resident entry count, eviction order and eviction under ``max_blocks``.
 
-    Public state (read and updated by the feeding code's fast paths):
+    Public state (read and updated by the feeding rooms, :mod:`.refs` and :mod:`.stores`):
 
     * ``resident``: resident entries (``len(index)``);
     * ``watch``: when ``resident`` exceeds it, call :meth:`watch_hit` (half the cap until
@@ -155,8 +159,8 @@ class Eviction:
             p = parent_of(m)
             if p is not None:
                 gs.kids[p] = gs.kids.get(p, 0) + 1
-            if type(m) is int and m & FREE_LINK:
-                gs.meta[h] = m - FREE_LINK
+            if has_free_link(m):
+                gs.meta[h] = without_free_link(m)
 
     def queue_store(self, gs: GroupState, hashes: Any) -> None:
         """Queue a GPU store's blocks for eviction as one item, taken leaf first (they
@@ -283,71 +287,75 @@ class Eviction:
            the end of the event (the cap holds again once the event is applied).
         """
         goal = self.max_blocks - max(1, self.max_blocks // 100) + 1
-        ready = self.ready
-        qg, qh = self.qgroups, self.qhashes
-        slots = self.table.slots
-        head = self.qhead
-        cut = self.qcut
-        taken = self.qtaken
-        end = len(qh)
-        try:
-            while self.resident > goal:
-                if ready:
-                    gs, h = ready.popleft()
-                    if h not in gs.deferred or gs.kids.get(h) or not self.table.live(gs):
-                        continue
-                    if not gs.held(h):
-                        del gs.deferred[h]
-                        continue
-                    self.drop(gs, h, gs.meta.get(h))
-                    continue
-                if head < end:
-                    gs = qg[head]
-                    x: Any = qh[head]
-                    if type(x) is int or type(x) is bytes:
-                        h = x
-                        head += 1
-                    else:  # a GPU store: its hashes from the end
-                        cut += 1
-                        h = x[-cut]
-                        if cut == len(x):
-                            head += 1
-                            cut = 0
-                    taken += 1
-                    t = slots.get(gs.slot)
-                    if t is None or t[1] is not gs:
-                        continue  # a removed worker's
-                    m = gs.meta.get(h)
-                    if type(m) is int:
-                        if m < GPU_ONE and h not in gs.refs[1] and h not in gs.refs[2]:
-                            continue  # not resident any more
-                    elif not gs.held(h):
-                        continue
-                    if gs.kids and h in gs.kids:
-                        gs.deferred[h] = None
-                        if type(m) is int and m & FREE_LINK:  # now counted
-                            self.add_child(gs, h, m)
-                        continue
-                    if gs.deferred and h in gs.deferred:
-                        continue
-                    self.drop(gs, h, m)
-                    continue
-                if self.storing or not self._evict_deferred(goal):
-                    break
-        finally:
-            self.qhead = head
-            self.qcut = cut
-            self.qtaken = taken
-            if taken > 4096 and 2 * taken > self.qlen:  # forget the taken items
-                if cut:
-                    rest = qh[head][:-cut]  # type: ignore[index]
-                    qh[head] = rest[0] if len(rest) == 1 else rest
-                    self.qcut = 0
-                del qg[:head]
-                del qh[:head]
-                self.qhead = 0
-                self.qlen -= taken
-                self.qtaken = 0
+        while self.resident > goal:
+            if self.ready:
+                self._evict_ready()
+                continue
+            entry = self._pop_queue()
+            if entry is not None:
+                self._evict_queued(*entry)
+                continue
+            if self.storing or not self._evict_deferred(goal):
+                break
+        self._drop_taken()
+
+    def _evict_ready(self) -> None:
+        """Step 1 of :meth:`evict`: the oldest deferred entry whose last resident child
+        went away, if it is still deferred, childless, resident and a live worker's."""
+        gs, h = self.ready.popleft()
+        if h not in gs.deferred or gs.kids.get(h) or not self.table.live(gs):
+            return
+        if not gs.held(h):
+            del gs.deferred[h]
+            return
+        self.drop(gs, h, gs.meta.get(h))
+
+    def _pop_queue(self) -> tuple[GroupState, Hash] | None:
+        """The eviction queue's next (group, hash), taken; None when it is empty."""
+        if self.qhead >= len(self.qhashes):
+            return None
+        gs, x = self.qgroups[self.qhead], self.qhashes[self.qhead]
+        if isinstance(x, (int, bytes)):
+            h: Hash = x
+            self.qhead += 1
+        else:  # a GPU store: its hashes from the end
+            self.qcut += 1
+            h = x[-self.qcut]
+            if self.qcut == len(x):
+                self.qhead += 1
+                self.qcut = 0
+        self.qtaken += 1
+        return gs, h
+
+    def _evict_queued(self, gs: GroupState, h: Hash) -> None:
+        """Step 2 of :meth:`evict` for the queue's next entry: skipped if it is a removed
+        worker's, not resident any more or deferred already; deferred if it has resident
+        children (its free link, if any, now counted); else evicted."""
+        if not self.table.live(gs) or not gs.held(h):
+            return
+        m = gs.meta.get(h)
+        if gs.kids and h in gs.kids:
+            gs.deferred[h] = None
+            if m is not None and has_free_link(m):  # now counted
+                self.add_child(gs, h, m)
+            return
+        if gs.deferred and h in gs.deferred:
+            return
+        self.drop(gs, h, m)
+
+    def _drop_taken(self) -> None:
+        """Forget the items the queue has taken, once they are most of it."""
+        if self.qtaken > 4096 and 2 * self.qtaken > self.qlen:
+            head, cut = self.qhead, self.qcut
+            if cut:
+                rest = self.qhashes[head][:-cut]  # type: ignore[index]
+                self.qhashes[head] = rest[0] if len(rest) == 1 else rest
+                self.qcut = 0
+            del self.qgroups[:head]
+            del self.qhashes[:head]
+            self.qhead = 0
+            self.qlen -= self.qtaken
+            self.qtaken = 0
 
     def _evict_deferred(self, goal: int) -> bool:
         """Step 3 of :meth:`evict`; False if there was nothing to evict."""
@@ -367,15 +375,9 @@ class Eviction:
     def drop(self, gs: GroupState, h: Hash, m: Record | None) -> None:
         """Evict the resident entry ``h`` of ``gs`` (``m`` is its record) whole."""
         p: Hash | None
-        if type(m) is int:
+        if m is not None:
             del gs.meta[h]
-            ck = m & CK_MASK if m & HAS_CK else None
-            on_gpu = m >= GPU_ONE
-            pf = (m >> PARENT_SHIFT) & PARENT_MASK
-            p = pf - 1 if pf and not m & FREE_LINK else None
-        elif m is not None:
-            del gs.meta[h]
-            ck, on_gpu, p = content_key(m), gpu_refs(m) > 0, parent_of(m)
+            ck, on_gpu, p = content_key(m), gpu_refs(m) > 0, counted_parent(m)
         else:
             ck, on_gpu, p = None, False, None
         self.forgotten.add(h)  # (later places of h in the queue may remain)
@@ -411,103 +413,67 @@ class Eviction:
 
         Each hash the queue ever holds is looked at here or by :meth:`evict` about once
         (most entries leave by their removal events, long before the queue reaches
-        them), so this loop is kept to one dict lookup per hash of a store none of
-        whose blocks is resident any more; a store's resident hashes keep their order,
-        in a shorter item."""
-        # per live group (a removed worker's are skipped): what the loop reads, and the
-        # hashes already kept
-        live: dict[GroupState, tuple[Any, Any, dict[Hash, int], dict[Hash, int], Any, set[Hash]]]
-        live = {
-            g: (g.meta.get, g.meta.keys(), g.refs[1], g.refs[2], g.deferred, set())
-            for _, g in self.table.slots.values()
-        }
-        ng: list[GroupState] = []
-        nh: list[QueueItem] = []
-        last: GroupState | None = None
-        st = None
-        kept: set[Hash] = set()
-        r1: dict[Hash, int] = {}
-        r2: dict[Hash, int] = {}
-        deferred: dict[Hash, None] = {}
-        head = self.qhead
-        g_append, h_append = ng.append, nh.append
-        meta_get: Any = None
-        recorded: Any = None
+        them); a store's resident hashes keep their order, in a shorter item."""
+        # per live group (a removed worker's are skipped): the hashes already kept
+        seen: dict[GroupState, set[Hash]] = {g: set() for _, g in self.table.slots.values()}
+        groups: list[GroupState] = []
+        items: list[QueueItem] = []
         n = 0  # hashes kept
-        items: Any = zip(islice(self.qgroups, head, None), islice(self.qhashes, head, None))
-        if self.qcut:  # the head store's hashes not taken yet
-            gs, x = next(items)
-            items = _chain_one(gs, x[: -self.qcut], items)
-        for gs, x in items:
-            if gs is not last:
-                last = gs
-                st = live.get(gs)
-                if st is not None:
-                    meta_get, recorded, r1, r2, deferred, kept = st
-            if st is None:
-                continue
-            if type(x) is int or type(x) is bytes:
-                h = x
-                m = meta_get(h)
-                if m is None or type(m) is int:
-                    if (m is None or m < GPU_ONE) and h not in r1 and h not in r2:
-                        continue  # not resident any more
-                elif not (gpu_refs(m) > 0 or h in r1 or h in r2):
-                    continue
-                if h in kept or h in deferred:
-                    continue
-                kept.add(h)
-                n += 1
-                g_append(gs)
-                h_append(h)
-                continue
-            # a GPU store.  Usually none of its hashes has a record or a CPU/STORAGE
-            # reference any more (its blocks were removed and their records trimmed):
-            # one C-level pass each tells
-            if (
-                recorded.isdisjoint(x)
-                and (not r1 or r1.keys().isdisjoint(x))
-                and (not r2 or r2.keys().isdisjoint(x))
-            ):
-                continue
-            # its resident hashes, in order (a packed record >= GPU_ONE is held on GPU;
-            # a tuple record raises TypeError here: GroupState.held then)
-            try:
-                if r1 or r2:
-                    res = [y for y in x if meta_get(y, 0) >= GPU_ONE or y in r1 or y in r2]
-                else:
-                    res = [y for y in x if meta_get(y, 0) >= GPU_ONE]
-            except TypeError:
-                res = [y for y in x if gs.held(y)]
-            if not res:
-                continue
-            if len(res) == len(x) and kept.isdisjoint(x) and deferred.keys().isdisjoint(x):
-                kept.update(x)  # (a store kept whole)
-                n += len(x)
-                g_append(gs)
-                h_append(x if type(x) is array else _packed(x))
-                continue
-            keep: list[Any] = []  # (the hashes of x: ints when x is an array)
-            for h in reversed(res):  # (queue order: leaf first)
-                if h in kept or h in deferred:
-                    continue
-                kept.add(h)
-                keep.append(h)
-            if not keep:
-                continue
-            n += len(keep)
-            g_append(gs)
-            if len(keep) == 1:
-                h_append(keep[0])
-            else:
-                keep.reverse()
-                h_append(_packed(keep))
-        self.qgroups, self.qhashes, self.qhead = ng, nh, 0
+        for gs, x in self._items_left():
+            kept = seen.get(gs)
+            item = None if kept is None else _still_queued(gs, x, kept)
+            if item is not None:
+                groups.append(gs)
+                items.append(item)
+                n += 1 if isinstance(item, (int, bytes)) else len(item)
+        self.qgroups, self.qhashes, self.qhead = groups, items, 0
         self.qcut = self.qtaken = 0
         self.qlen = n
         self.qlimit = max(1 << 16, 4 * n)
         # every place left is a resident entry's (forget() hears when one stops being)
         self.forgotten.clear()
+
+    def _items_left(self) -> Iterator[tuple[GroupState, QueueItem]]:
+        """The queue's items not taken yet (the head store without its taken hashes)."""
+        items = zip(islice(self.qgroups, self.qhead, None), islice(self.qhashes, self.qhead, None))
+        if self.qcut:
+            gs, x = next(items)
+            yield gs, x[: -self.qcut]  # type: ignore[index]
+        yield from items
+
+
+def _still_queued(gs: GroupState, x: QueueItem, kept: set[Hash]) -> QueueItem | None:
+    """What of queue item ``x`` of ``gs`` keeps its place: its resident hashes that are
+    neither deferred nor already ``kept`` (added to it), in order; None if none."""
+    if isinstance(x, (int, bytes)):  # one entry
+        if not gs.held(x) or x in kept or x in gs.deferred:
+            return None
+        kept.add(x)
+        return x
+    # a GPU store.  Usually none of its hashes has a record or a CPU/STORAGE reference any
+    # more (its blocks were removed and their records trimmed): one C-level pass each tells
+    r1, r2 = gs.refs[1], gs.refs[2]
+    if (
+        gs.meta.keys().isdisjoint(x)
+        and (not r1 or r1.keys().isdisjoint(x))
+        and (not r2 or r2.keys().isdisjoint(x))
+    ):
+        return None
+    resident = [y for y in x if gs.held(y)]
+    if len(resident) == len(x) and kept.isdisjoint(x) and gs.deferred.keys().isdisjoint(x):
+        kept.update(x)  # (a store kept whole)
+        return x if type(x) is array else _packed(x)
+    keep: list[Any] = []  # (the hashes of x: ints when x is an array)
+    for h in reversed(resident):  # (queue order: leaf first)
+        if h not in kept and h not in gs.deferred:
+            kept.add(h)
+            keep.append(h)
+    if not keep:
+        return None
+    if len(keep) == 1:
+        return keep[0]  # type: ignore[no-any-return]
+    keep.reverse()
+    return _packed(keep)
 
 
 def _packed(hashes: Any) -> QueueItem:
@@ -517,9 +483,3 @@ def _packed(hashes: Any) -> QueueItem:
         return array("Q", hashes)
     except (TypeError, OverflowError):
         return tuple(hashes)
-
-
-def _chain_one(gs: GroupState, x: QueueItem, rest: Any) -> Any:
-    """``(gs, x)`` and then the pairs of ``rest``."""
-    yield gs, x
-    yield from rest

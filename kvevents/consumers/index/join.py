@@ -15,7 +15,7 @@ import logging
 from collections import OrderedDict
 
 from kvevents.consumers.index.eviction import Eviction
-from kvevents.consumers.index.records import GPU_ONE, Hash, gpu_refs
+from kvevents.consumers.index.records import Hash
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerTable
 
@@ -142,20 +142,8 @@ class Retention:
             ogs = ow.groups.get(ogroup) if ow is not None else None
             if ogs is None:
                 continue
-            m = ogs.meta.get(oh)
-            if m is None:
-                continue
-            if type(m) is int:
-                if m >= GPU_ONE:
-                    continue
-            elif gpu_refs(m) > 0:
-                continue
-            r = ogs.refs
-            if oh in r[1] or oh in r[2]:
-                continue
+            if oh not in ogs.meta or ogs.held(oh):
+                continue  # gone, or held again: only its retained place goes
             del ogs.meta[oh]
             self.stats.metadata_evicted += 1
-            # its places in the eviction queue may remain (Eviction.forget, inline: this
-            # runs once per removed block)
-            if self.cap.tracking:
-                self.cap.forgotten.add(oh)
+            self.cap.forget((oh,))  # (its places in the eviction queue may remain)

@@ -1,11 +1,10 @@
 """Tier marks: content key -> bitset of the slots holding it, counted per (key, slot).
 
 One job: the per-tier map the router walks (a slot is one (worker, KV-cache group); its
-bit is ``1 << slot``) and the rule that keeps it counted.  Imports nothing from the
-index.  The feeding code's fast paths apply :func:`mark` / :func:`unmark` inline; they
-follow the same steps (plain bit first, :attr:`TierMarks.dups` only when the slot's bit
-is already set), so a change to the rule is a change here and in those few lines
-marked "(marks.mark, inline)" / "(marks.unmark, inline)".
+bit is ``1 << slot``) and the rule that keeps it counted: :func:`mark` and
+:func:`unmark` are the only writers (called by :mod:`.refs` on a tier's first and last
+reference, by :mod:`.eviction` when an entry is evicted).  Imports nothing from the
+index.
 """
 
 from __future__ import annotations

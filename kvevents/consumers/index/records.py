@@ -2,9 +2,10 @@
 
 One job: the encoding of a block's metadata record (content key, end position, block
 size, parent hash, GPU refcount, and the rare wide fields) and the functions that read
-it.  The feeding code's fast paths read packed records with the constants below instead
-of calling the functions; both use this one definition of the layout, so a field moves
-here and nowhere else.  Imports nothing from the index.
+and change it.  Every other room goes through these functions (:func:`content_key`,
+:func:`gpu_refs`, :func:`add_gpu`, :func:`parent_of`, ...), so a field moves here and
+nowhere else.  The encoding is also the snapshot's (:mod:`.snapshot` writes the records
+as they are).  Imports nothing from the index.
 
 A record is, for memory, usually one packed int (about 52 bytes):
 
@@ -61,10 +62,16 @@ __all__ = [
     "counted_parent",
     "end_tokens",
     "gpu_refs",
+    "has_free_link",
     "pack",
+    "packs_end",
+    "packs_size",
     "parent_of",
+    "plain_hash",
     "tuple_field",
     "unkeyed",
+    "with_free_link",
+    "without_free_link",
 ]
 
 Hash = Union[int, bytes]
@@ -133,6 +140,38 @@ def pack(
             v |= (parent + 1) << PARENT_SHIFT
         return v
     return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
+
+
+def plain_hash(h: Hash) -> bool:
+    """Whether ``h`` fits a packed record's parent field (an unsigned 64-bit int)."""
+    return type(h) is int and 0 <= h <= CK_MASK
+
+
+def packs_size(size: int) -> bool:
+    """Whether a block size fits a packed record."""
+    return 0 < size <= FIELD_MASK
+
+
+def packs_end(end_blocks: int) -> bool:
+    """Whether an end position (in blocks) fits a packed record."""
+    return end_blocks < FIELD_MASK
+
+
+def with_free_link(m: Record) -> Record:
+    """The packed record ``m`` with :data:`FREE_LINK` set (its link to its parent is not
+    counted among the parent's resident children)."""
+    assert isinstance(m, int), "only packed records carry a free link"
+    return m | FREE_LINK
+
+
+def has_free_link(m: Record) -> bool:
+    """Whether the record carries :data:`FREE_LINK`."""
+    return type(m) is int and bool(m & FREE_LINK)
+
+
+def without_free_link(m: Record) -> Record:
+    """The record with :data:`FREE_LINK` cleared."""
+    return m & ~FREE_LINK if type(m) is int else m
 
 
 def gpu_refs(m: Record) -> int:

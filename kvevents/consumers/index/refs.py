@@ -8,7 +8,7 @@ record, :func:`.records.gpu_refs`; CPU/STORAGE: ``GroupState.refs``).
   tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
   (:meth:`RefRules.became_resident`: counted, no longer retained metadata, told to the
   memory cap).
-* :meth:`RefRules.unref`: the last reference on a tier unmarks the key; the last on any
+* :meth:`RefRules.remove`: the last reference on a tier unmarks the key; the last on any
   tier ends the residency (:meth:`RefRules.stopped_being_resident`: the record is kept
   as retained metadata, :mod:`.join`, for a late CPU store or later children); a
   removal of a hash the tier does not hold is :meth:`RefRules.remove_unknown`'s.
@@ -113,13 +113,23 @@ class RefRules:
 
     # ------------------------------------------------------------------ in
 
-    def ref(self, w: WorkerState, gs: GroupState, tier: int, h: Hash, ck: int | None) -> None:
+    def ref(
+        self,
+        w: WorkerState,
+        gs: GroupState,
+        tier: int,
+        h: Hash,
+        ck: int | None,
+        free_link: bool = False,
+    ) -> None:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
         The first reference on a tier marks ``ck`` in that tier's marks; the first on any
         tier makes the entry resident (:meth:`became_resident`).  For the GPU tier the
         record of ``h`` holds the refcount; if the memory cap has just dropped that
         record, there is nothing to count.  ``tier < 0`` (metadata only) counts nothing.
+        ``free_link``: a GPU store's new block whose link to its parent is free (its
+        record carries the flag, see :mod:`.eviction`): not counted as a child.
         """
         if tier < 0:
             return
@@ -141,71 +151,67 @@ class RefRules:
         if ck is not None:
             mark(self.marks[tier], ck, gs.bit)
         if not gs.held_elsewhere(h, tier):
-            self.became_resident(w, gs, tier, h)
+            self.became_resident(w, gs, tier, h, free_link)
 
-    def became_resident(self, w: WorkerState, gs: GroupState, tier: int, h: Hash) -> None:
+    def became_resident(
+        self, w: WorkerState, gs: GroupState, tier: int, h: Hash, free_link: bool = False
+    ) -> None:
         """``h`` became resident (its first reference on any tier): one more resident
         entry, no longer a retained record, and (while the memory cap keeps its
-        bookkeeping) a child of its parent with a place in the eviction queue (a GPU
-        store queues its blocks itself, at its end)."""
+        bookkeeping) a child of its parent (unless its link is free) with a place in
+        the eviction queue (a GPU store queues its blocks itself, at its end)."""
         cap = self.cap
         cap.resident += 1
         if self.retention.records:
             self.retention.forget(w.wid, gs.group, h)
         if cap.tracking:
             m = gs.meta.get(h)
-            if tier == GPU:
-                cap.add_child(gs, h, m)
-            else:
+            if tier != GPU:
                 cap.enter(gs, h, m)
+            elif not free_link:
+                cap.add_child(gs, h, m)
         if cap.resident > cap.watch:
             cap.watch_hit()
 
     # ------------------------------------------------------------------ out
 
     def remove(self, w: WorkerState, group: int, hashes: Iterable[Hash], tier: int) -> None:
-        """One residency of each of ``hashes`` on ``tier`` fewer (unknown ones counted)."""
-        gs = w.groups.get(group)
-        for h in hashes:
-            self.unref(w, gs, group, h, tier)
-
-    def unref(self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int) -> None:
-        """One residency of ``h`` on ``tier`` fewer.
+        """One residency of each of ``hashes`` on ``tier`` fewer.
 
         A hash the tier does not hold goes to :meth:`remove_unknown`.  The last reference
         on a tier unmarks the content key in that tier's marks; the last on any tier
         ends the entry's residency (:meth:`stopped_being_resident`).
         """
-        if gs is None:
-            self.remove_unknown(w, None, group, h, tier)
-            return
-        if tier == GPU:
+        gs = w.groups.get(group)
+        for h in hashes:
+            if gs is None:
+                self.remove_unknown(w, None, group, h, tier)
+                continue
             m = gs.meta.get(h)
-            count = 0 if m is None else gpu_refs(m)
-            if not count or m is None:
-                self.remove_unknown(w, gs, group, h, tier)
-                return
-            self.stats.removed[TIERS[tier]] += 1
-            gs.meta[h] = add_gpu(m, -1)
-        else:
-            refs = gs.refs[tier]
-            count = refs.get(h, 0)
-            if not count:
-                self.remove_unknown(w, gs, group, h, tier)
-                return
+            if tier == GPU:
+                count = 0 if m is None else gpu_refs(m)
+                if not count or m is None:
+                    self.remove_unknown(w, gs, group, h, tier)
+                    continue
+                gs.meta[h] = add_gpu(m, -1)
+            else:
+                refs = gs.refs[tier]
+                count = refs.get(h, 0)
+                if not count:
+                    self.remove_unknown(w, gs, group, h, tier)
+                    continue
+                if count > 1:
+                    refs[h] = count - 1
+                else:
+                    del refs[h]
             self.stats.removed[TIERS[tier]] += 1
             if count > 1:
-                refs[h] = count - 1
-            else:
-                del refs[h]
-            m = gs.meta.get(h)
-        if count > 1:
-            return  # not the last reference on this tier
-        ck = content_key(m) if m is not None else None
-        if ck is not None:
-            unmark(self.marks[tier], ck, gs.bit)
-        if not gs.held_elsewhere(h, tier):
-            self.stopped_being_resident(w, gs, h, m)
+                continue  # not the last reference on this tier
+            ck = content_key(m) if m is not None else None
+            if ck is not None:
+                unmark(self.marks[tier], ck, gs.bit)
+            if not gs.held_elsewhere(h, tier):
+                self.stopped_being_resident(w, gs, h, m)
 
     def stopped_being_resident(
         self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None
@@ -221,9 +227,10 @@ class RefRules:
         if m is None:
             cap.forget((h,))
             return
-        parent = counted_parent(m)
-        if parent is not None and gs.kids:
-            cap.unkid(gs, parent)
+        if gs.kids:  # (the memory cap's bookkeeping runs)
+            parent = counted_parent(m)
+            if parent is not None:
+                cap.unkid(gs, parent)
         self.retention.retire(w.wid, gs, h)
 
     def remove_unknown(

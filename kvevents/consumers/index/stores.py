@@ -1,47 +1,38 @@
 """Stores: what the index learns from ``BlockStored`` events, on every tier.
 
-One job: turn a store into metadata records and residencies.  A store that carries
-sizes and tokens (every GPU store, self-describing CPU/STORAGE stores) records each
-block's metadata and content key (:meth:`Stores.store_described`, with its fast path
-for the usual GPU store beside the general path: both build records with
-:mod:`.records`' layout and count residencies by :meth:`RefRules.ref`'s rules); a
-CPU/STORAGE placeholder joins the GPU record of the same worker, group and hash, or
-waits for it in the pending table (:meth:`Stores.store_placeholder`); a legacy store
-(bytes hashes, no group) is looked up in every group.  Also learns each worker's
-groups' kinds and block sizes and, when not configured, its blocks per chunk.
-Imports :mod:`kvevents.consumers.content`, :mod:`.marks`, :mod:`.records`,
-:mod:`.refs` and :mod:`.workers`.
+One job: turn a store into metadata records and residencies.
+
+* A store that carries sizes and tokens (every GPU store, self-describing CPU/STORAGE
+  stores) records each block's metadata and content key, block by block
+  (:meth:`Stores.store_described`); its residencies are counted by
+  :meth:`RefRules.ref`.  Content keys chain as vLLM's block hashes do
+  (``hash_block_tokens`` over the parent's hash, the block's tokens and its extra keys),
+  but over canonical units with a stable hash (:mod:`kvevents.consumers.content`).
+* A CPU/STORAGE placeholder (vLLM's offload connector publishes only the chunk's tail
+  hash) joins the GPU record of the same worker, group and hash, or waits for it in the
+  pending table (:meth:`Stores.store_placeholder`).
+* A legacy store (bytes hashes, no group) is looked up in every group (:mod:`.legacy`).
+
+Also learns each worker's groups' kinds, block sizes and windows and, when not
+configured, its blocks per chunk and lookahead.  Imports
+:mod:`kvevents.consumers.content`, :mod:`.records`, :mod:`.refs` and :mod:`.workers`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
-
-from xxhash import xxh3_64_intdigest as xxh
 
 from kvevents.consumers.content import (
     ROOT_KEY,
-    EventExtras,
-    chain_block,
+    StoreTokens,
     chain_units,
     lookahead_key,
     lookahead_mm,
-    pack_tokens,
     root_key,
     split_extras,
 )
-from kvevents.consumers.index.marks import add_dup
 from kvevents.consumers.index.records import (
-    CK_MASK,
-    END_SHIFT,
-    FIELD_MASK,
-    FREE_LINK,
-    GPU_ONE,
-    HAS_CK,
-    PARENT_SHIFT,
-    SIZE_SHIFT,
     Hash,
     Record,
     add_gpu,
@@ -51,265 +42,281 @@ from kvevents.consumers.index.records import (
     end_tokens,
     gpu_refs,
     pack,
+    packs_end,
+    packs_size,
+    plain_hash,
     unkeyed,
+    with_free_link,
 )
 from kvevents.consumers.index.refs import RefRules
-from kvevents.consumers.index.workers import KEYED_KINDS, TIERS, GroupState, WorkerState
+from kvevents.consumers.index.workers import GPU, KEYED_KINDS, TIERS, GroupState, WorkerState
 from kvevents.errors import ConfigError
 from kvevents.events import BlockStored
 
 __all__ = ["Stores"]
 
-_NO_PENDING: dict[Any, list[int]] = {}  # the pending table seen by a worker without entries
+
+class _StoreRun:
+    """One described store's blocks, applied in order (:meth:`Stores.store_described`).
+
+    Holds what the blocks chain on: ``key`` and ``end``, the content key and the token
+    end position of the block before (None when unknown), and ``parent``, its hash.
+
+    Free links (see :mod:`.eviction`): in a plain GPU store (:func:`_free_links_allowed`)
+    of new blocks, a block whose parent became resident just before it in the same
+    store, with no earlier place in the eviction queue, is not counted among its
+    parent's resident children; its record carries the flag instead.  The first block
+    that had a record (or whose hash is not a plain 64-bit number) ends them for the
+    rest of the store.
+    """
+
+    __slots__ = (
+        "end",
+        "ev",
+        "feed",
+        "free_links",
+        "gs",
+        "key",
+        "keyed",
+        "link_free",
+        "off",
+        "parent",
+        "pending",
+        "tier",
+        "tokens",
+        "w",
+    )
+
+    def __init__(
+        self,
+        feed: Stores,
+        w: WorkerState,
+        gs: GroupState,
+        ev: BlockStored,
+        tier: int,
+        off: int,
+        keyed: bool,
+        key: int | None,
+        end: int | None,
+    ) -> None:
+        self.feed = feed
+        self.w = w
+        self.gs = gs
+        self.ev = ev
+        self.tier = tier
+        self.off = off
+        self.keyed = keyed
+        self.key = key
+        self.end = end
+        self.parent: Hash | None = ev.parent_block_hash
+        self.tokens = StoreTokens(ev.token_ids, feed.canonical_block_size) if keyed else None
+        self.pending = w.wid in feed.pending.per_worker
+        self.free_links = _free_links_allowed(self)
+        self.link_free = False  # the next new block's link to its parent is free
+
+    def store_block(self, i: int, h: Hash) -> None:
+        """Block ``i`` of the store, hash ``h``: its record, then one more reference."""
+        feed, gs = self.feed, self.gs
+        m = gs.meta.get(h)
+        if self.free_links and (m is not None or not plain_hash(h)):
+            self.free_links = self.link_free = False
+        ck = content_key(m) if m is not None else None
+        if m is None or (ck is None and self.key is not None and self.keyed):
+            ck = self.new_record(i, h, m)
+        else:
+            if self.tier == GPU:  # an LRU touch: to the end of the group's record order
+                del gs.meta[h]
+                gs.meta[h] = m
+            self.key, self.end = chain_key(m), end_tokens(m)
+        self.parent = h
+        free = self.link_free
+        if self.free_links:
+            cap = feed.cap
+            self.link_free = (
+                cap.tracking and h not in cap.forgotten and not gs.held_elsewhere(h, GPU)
+            )
+        feed.ref(self.w, gs, self.tier, h, ck, free_link=free)
+
+    def new_record(self, i: int, h: Hash, old: Record | None) -> int | None:
+        """Record block ``i`` (hash ``h``) with its content key (returned: the key its
+        marks use), keeping the refcount of an orphan's record ``old``, and join the
+        placeholders waiting for it."""
+        feed, gs, ev = self.feed, self.gs, self.ev
+        size = ev.block_size
+        end = self.end + size if self.end is not None else None
+        start = self.off + i * size
+        extra = ev.extra_keys[i] if ev.extra_keys is not None and i < len(ev.extra_keys) else None
+        chain = ck = None
+        if self.keyed and self.key is not None and self.tokens is not None:
+            ex = None
+            if extra is not None:
+                ex = split_extras(extra, ev.lora_name, i == 0 and ev.parent_block_hash is None)
+            try:
+                chain = ck = self.tokens.block_key(self.key, start, size, ex)
+                la = ev.lookahead_token_ids
+                if la and i < len(la) and la[i]:
+                    ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
+            except ConfigError:
+                chain = ck = None  # token ids outside int64: no content key
+                feed.stats.skipped["bad_token_ids"] += 1
+        elif self.keyed:
+            feed.stats.skipped["unknown_parent"] += 1
+        tokens = tuple(ev.token_ids[start : start + size]) if feed.keep_token_ids else None
+        end_blocks = end // size if end is not None else None
+        m = pack(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain)
+        if self.link_free:
+            m = with_free_link(m)
+        if old is not None:  # an orphan healed: keep its refcount, re-key its residencies
+            m = add_gpu(m, gpu_refs(old))
+            feed.rekey(gs, h, old, m)
+        gs.meta[h] = m
+        if self.pending:
+            p = feed.pending.take(self.w.wid, gs.group, h)
+            if p is not None:
+                feed.join_pending(self.w, gs, h, m, p)
+        self.key, self.end = (chain if chain is not None else ck), end
+        return ck
+
+
+def _free_links_allowed(run: _StoreRun) -> bool:
+    """Whether a store's blocks may link freely: a GPU store whose every new record is
+    a packed one (no LoRA name, extra keys, lookahead ids or kept token ids; sizes,
+    positions and parent in range) with content keys, all its token ids packable, no
+    leading tokens outside its blocks, and no placeholder of its worker waiting."""
+    ev = run.ev
+    size, n = ev.block_size, len(ev.block_hashes)
+    parent = ev.parent_block_hash
+    return (
+        run.tier == GPU
+        and run.keyed
+        and ev.lora_name is None
+        and ev.extra_keys is None
+        and not ev.lookahead_token_ids
+        and not run.off
+        and not run.feed.keep_token_ids
+        and not run.pending
+        and packs_size(size)
+        and (parent is None or plain_hash(parent))
+        and (run.end is None or packs_end(run.end // size + n))
+        and run.tokens is not None
+        and run.tokens.packed is not None
+    )
 
 
 class Stores(RefRules):
     """Applies ``BlockStored`` events (see the module docstring)."""
 
     def store_described(self, w: WorkerState, ev: BlockStored, tier: int) -> None:
-        """A store that carries sizes and tokens (every GPU store, self-describing CPU)."""
+        """A store that carries block sizes and tokens: every GPU store, and (``tier``
+        -1: metadata only) the blocks of a self-describing CPU/STORAGE chunk.
+
+        What the store teaches about its group comes first (:meth:`learn_group`).  Then
+        each block, in order, gets a metadata record if it has none (or an orphan's
+        record is healed: it had no content key because its parent was unknown), with
+        the content key chained on its parent's (:meth:`chain_start`, :meth:`new_record`),
+        and one more reference on ``tier`` (:meth:`RefRules.ref`).  A block whose record
+        exists is an LRU touch on the GPU tier.  A GPU store's blocks then take one
+        place in the memory cap's eviction queue, leaf first.
+        """
+        n = len(ev.block_hashes)
+        gs = self.table.group(w, ev.group_idx or 0)
+        partial = self.learn_group(w, gs, ev, tier)
+        if partial is None:
+            return
+        if tier >= 0:
+            self.stats.stored[TIERS[tier]] += n
+        off = len(ev.token_ids) - n * ev.block_size  # leading tokens of no block
+        if off < 0:
+            self.stats.skipped["short_token_ids"] += n
+            return
+        keyed = gs.indexable_kind and not partial
+        if keyed and ev.block_size % self.canonical_block_size:
+            self.stats.skipped["block_size_not_multiple_of_canonical"] += n
+            keyed = False
+        key, end = self.chain_start(gs, ev, off, keyed)
+        self.cap.storing = tier == GPU  # (until cap.queue_store: see Eviction.evict)
+        run = _StoreRun(self, w, gs, ev, tier, off, keyed, key, end)
+        for i, h in enumerate(ev.block_hashes):
+            run.store_block(i, h)
+        if tier == GPU:
+            self.cap.queue_store(gs, ev.block_hashes)
+            if not keyed and not gs.indexable_kind:
+                self.stats.skipped["kind:" + (gs.kind or "none")] += n
+
+    def learn_group(
+        self, w: WorkerState, gs: GroupState, ev: BlockStored, tier: int
+    ) -> bool | None:
+        """What a store says about its group and worker: kind, block size (the largest
+        GPU block size seen), sliding window, lookahead tokens (when not configured).
+
+        Returns whether the store is a *partial tail* (a GPU store at a finer block size
+        than its group's: vLLM's ``cache_partial_block``, only looked up in Mamba
+        "align" mode: kept for its removal, never matched), or None for a store with no
+        block size (counted, nothing applied)."""
         stats = self.stats
-        hashes = ev.block_hashes
-        n = len(hashes)
-        gs = w.groups.get(ev.group_idx or 0)
-        if gs is None:
-            gs = self.table.group(w, ev.group_idx or 0)
-        size = ev.block_size
+        n = len(ev.block_hashes)
         kind = ev.kv_cache_spec_kind
         if kind is not None and kind != gs.kind:
             self.set_kind(w, gs, kind)
+        size = ev.block_size
         if size <= 0:
             stats.skipped["bad_block_size"] += n
-            return
+            return None
         partial = False
-        if tier == 0 and size != gs.block_size:
+        if tier == GPU and size != gs.block_size:
             if size > gs.block_size:
                 if gs.block_size:
                     self.unkey_partials(gs, size)
                 gs.block_size = size
                 self.table.layout_changed = True
             else:
-                # a store at hash granularity into a coarser group: vLLM's partial tail
-                # (cache_partial_block), only looked up in Mamba "align" mode; it keeps
-                # its metadata (for its removal) but is never matched
                 partial = True
                 stats.skipped["partial_tail"] += n
         window = ev.kv_cache_spec_sliding_window
-        if tier == 0 and window is not None and window != gs.window:
+        if tier == GPU and window is not None and window != gs.window:
             gs.window = window
             self.table.layout_changed = True
         la = ev.lookahead_token_ids
-        if la and tier == 0 and not w.la_fixed and la[0] and len(la[0]) != w.lookahead:
+        if la and tier == GPU and not w.la_fixed and la[0] and len(la[0]) != w.lookahead:
             w.lookahead = len(la[0])
             self.table.layout_changed = True
-        if tier >= 0:
-            stats.stored[TIERS[tier]] += n
-        toks = ev.token_ids
-        need = n * size
-        off = len(toks) - need
-        if off < 0:
-            stats.skipped["short_token_ids"] += n
-            return
-        unit = self.canonical_block_size
-        index_keys = gs.indexable_kind and not partial
-        if index_keys and size % unit:
-            stats.skipped["block_size_not_multiple_of_canonical"] += n
-            index_keys = False
-        lora = ev.lora_name
-        extras = ev.extra_keys
+        return partial
+
+    def chain_start(
+        self, gs: GroupState, ev: BlockStored, off: int, keyed: bool
+    ) -> tuple[int | None, int | None]:
+        """The content key the store's first block chains on and the token position it
+        starts at (each None when unknown: a parent without a record).
+
+        A store without a parent starts at the root key of its LoRA name and cache salt
+        (the salt is in the first block's extra keys), at token 0.  Leading tokens that
+        are no block of the store (``off`` of them: null blocks outside a sliding window,
+        which the engine does not hash) are chained over, so the hashed blocks' keys
+        stay positional."""
         parent = ev.parent_block_hash
-        meta = gs.meta
-        pk: int | None
-        pend: int | None
+        key: int | None
+        end: int | None
         if parent is None:
+            extras = ev.extra_keys
             if extras and extras[0] is not None:
-                ex0 = split_extras(extras[0], lora, True)
-                pk = root_key(lora, ex0.salt if ex0 is not None else None)
+                first = split_extras(extras[0], ev.lora_name, True)
+                key = root_key(ev.lora_name, first.salt if first is not None else None)
             else:
-                pk = ROOT_KEY if lora is None else root_key(lora)
-            pend = 0
+                key = ROOT_KEY if ev.lora_name is None else root_key(ev.lora_name)
+            end = 0
         else:
-            pm = meta.get(parent)
-            if pm is None:
-                pk = pend = None
-            elif type(pm) is int:  # _ck and _end_tokens of a packed record, inline
-                pk = pm & CK_MASK if pm & HAS_CK else None
-                e = (pm >> END_SHIFT) & FIELD_MASK
-                pend = (e - 1) * ((pm >> SIZE_SHIFT) & FIELD_MASK) if e else None
-            else:
-                pk, pend = chain_key(pm), end_tokens(pm)
-        if off and index_keys:
-            # leading blocks the engine did not hash (null blocks outside a window):
-            # chain over their tokens so the hashed blocks' keys stay positional
-            if pk is not None:
+            m = gs.meta.get(parent)
+            key, end = (None, None) if m is None else (chain_key(m), end_tokens(m))
+        if off and keyed:
+            if key is not None:
                 try:
-                    pk = chain_units(pk, toks[:off], unit) if off % unit == 0 else None
+                    unit = self.canonical_block_size
+                    key = chain_units(key, ev.token_ids[:off], unit) if off % unit == 0 else None
                 except ConfigError:
-                    pk = None
-            if pend is not None:
-                pend += off
-        pending = self.pending.entries if w.wid in self.pending.per_worker else _NO_PENDING
-        self.cap.storing = tier == 0  # (until cap.queue_store: see Eviction.evict)
-        first = 0
-        if (
-            tier == 0
-            and index_keys
-            and lora is None
-            and extras is None
-            and not la
-            and not off
-            and not self.keep_token_ids
-            and not pending
-            and size <= FIELD_MASK
-            and (parent is None or (type(parent) is int and 0 <= parent <= CK_MASK))
-            and (pend is None or pend // size + n < FIELD_MASK)
-        ):
-            # Fast path for the usual GPU store: new records packed inline (the fields
-            # of records.pack added up) and refcounted as RefRules.ref would (a hash with no record has
-            # no residency and no retirement entry: both always go with a record).  It
-            # stops at the first block that needs the general path below.
-            q = size // unit
-            # the blocks' canonical units as slices of the packed tokens, in order
-            tbuf: memoryview | None
-            try:
-                tbuf = memoryview(pack_tokens(toks[off:] if off else toks))
-            except ConfigError:
-                tbuf = None  # ids no key can be made of: the general path counts them
-            width = 8 * unit
-            ta = 0
-            marks = self.marks[0]
-            r1, r2 = gs.refs[1], gs.refs[2]
-            bit = gs.bit
-            fixed = (size << SIZE_SHIFT) + GPU_ONE  # block size and a GPU refcount of 1
-            keyed = fixed + HAS_CK  # plus the key flag
-            step = 1 << END_SHIFT
-            end_field = ((pend // size + 1) << END_SHIFT) if pend is not None else 0
-            parent_field = ((parent + 1) << PARENT_SHIFT) if parent is not None else 0
-            cap = self.cap
-            resident = cap.resident
-            watch = cap.watch
-            tracking = cap.tracking
-            setdefault = meta.setdefault
-            kids = gs.kids
-            kids_get = kids.get
-            forgotten = cap.forgotten
-            # FREE_LINK when the next block's link to this one is free (see
-            # Eviction): this block became resident here, with no place in the queue
-            free = 0
-            try:
-                for h in hashes if tbuf is not None else ():
-                    if type(h) is not int or not 0 <= h <= CK_MASK:
-                        break
-                    if pk is not None:
-                        if q == 1:
-                            k = xxh(tbuf[ta : ta + width], pk)  # type: ignore[index]
-                            ta += width
-                        else:
-                            k = pk
-                            for _ in range(q):
-                                k = xxh(tbuf[ta : ta + width], k)  # type: ignore[index]
-                                ta += width
-                        v = keyed + k
-                    else:
-                        ta += q * width
-                        k = None
-                        v = fixed
-                    if end_field:
-                        v += end_field + step
-                    v += parent_field + free
-                    # insert only if new (a fresh int is never the stored object)
-                    if setdefault(h, v) is not v:
-                        break  # the hash has a record: the general path takes over
-                    if end_field:
-                        end_field += step
-                    if k is not None:
-                        mv = marks.get(k)
-                        if mv is None:
-                            marks[k] = bit
-                        elif mv & bit:
-                            add_dup(marks, k, bit)
-                        else:
-                            marks[k] = mv | bit
-                    else:
-                        stats.skipped["unknown_parent"] += 1
-                    if h not in r1 and h not in r2:
-                        resident += 1
-                        if tracking:
-                            if parent is not None and not free:
-                                kids[parent] = kids_get(parent, 0) + 1
-                            free = 0 if h in forgotten else FREE_LINK
-                        if resident > watch:
-                            cap.resident = resident
-                            cap.watch_hit()
-                            resident = cap.resident
-                            watch = cap.watch
-                            tracking = True
-                    else:
-                        free = 0
-                    pk = k
-                    parent_field = (h + 1) << PARENT_SHIFT
-                    parent = h
-                    first += 1
-            finally:
-                cap.resident = resident
-            if first == n:
-                self.cap.queue_store(gs, hashes)
-                return  # (index_keys held: nothing to count as skipped)
-            if first:
-                pend = None if pend is None else pend + first * size
-        t = tuple(toks) if index_keys or self.keep_token_ids else ()
-        for i in range(first, n):
-            h = hashes[i]
-            m = meta.get(h)
-            ck = content_key(m) if m is not None else None
-            if m is None or (ck is None and pk is not None and index_keys):
-                end = pend + size if pend is not None else None
-                base = off + i * size
-                chain = None
-                if index_keys and pk is not None:
-                    ex: EventExtras | None = None
-                    if extras is not None and i < len(extras) and extras[i] is not None:
-                        ex = split_extras(extras[i], lora, i == 0 and ev.parent_block_hash is None)
-                    try:
-                        chain = ck = chain_block(pk, t[base : base + size], unit, ex)
-                        if la and i < len(la) and la[i]:
-                            ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
-                    except ConfigError:
-                        chain = ck = None  # token ids outside int64: no content key
-                        stats.skipped["bad_token_ids"] += 1
-                elif index_keys:
-                    stats.skipped["unknown_parent"] += 1
-                m = pack(
-                    ck,
-                    end // size if end is not None else None,
-                    parent,
-                    size,
-                    lora,
-                    extras[i] if extras is not None and i < len(extras) else None,
-                    t[base : base + size] if self.keep_token_ids else None,
-                    chain,
-                )
-                if h in meta:  # an orphan healed: keep its refcount, re-key its residencies
-                    m = add_gpu(m, gpu_refs(meta[h]))
-                    self.rekey(gs, h, meta[h], m)
-                meta[h] = m
-                if pending:
-                    p = self.pending.take(w.wid, gs.group, h)
-                    if p is not None:
-                        self.join_pending(w, gs, h, m, p)
-                pk, pend = (chain if chain is not None else ck), end
-            else:
-                if tier == 0:
-                    # LRU touch: move to the end of the group's insertion order
-                    del meta[h]
-                    meta[h] = m
-                pk, pend = chain_key(m), end_tokens(m)
-            parent = h
-            self.ref(w, gs, tier, h, ck)
-        if tier == 0:
-            self.cap.queue_store(gs, hashes)
-            if not index_keys and not gs.indexable_kind:
-                stats.skipped["kind:" + (gs.kind or "none")] += n
+                    key = None
+            if end is not None:
+                end += off
+        return key, end
 
     def store_self_describing(self, w: WorkerState, ev: BlockStored, tier: int) -> None:
         """A CPU/STORAGE store carrying its chunk's tokens: every block's metadata is

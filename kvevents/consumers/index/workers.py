@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from kvevents.consumers.index.records import GPU_ONE, Hash, Record, gpu_refs
+from kvevents.consumers.index.records import Hash, Record, gpu_refs
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
 __all__ = [
@@ -119,9 +119,7 @@ class GroupState:
         """Whether any tier holds ``h`` in this group (the entry is resident)."""
         m = self.meta.get(h)
         r = self.refs
-        if type(m) is int:
-            return m >= GPU_ONE or h in r[1] or h in r[2]
-        return (m is not None and gpu_refs(m) > 0) or h in r[1] or h in r[2]
+        return (m is not None and gpu_refs(m) > 0) or h in r[CPU] or h in r[STORAGE]
 
     def held_elsewhere(self, h: Hash, tier: int) -> bool:
         """Whether a tier other than ``tier`` holds ``h`` in this group."""
