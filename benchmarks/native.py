@@ -1,8 +1,8 @@
 """The compiled core (``kvevents-native``) against the same run's baselines.
 
 What runs natively today is the wire parser (with the content keys of every block it
-reads) and the content keys of a prompt; the index and the router walk are Python in
-both modes.  Rows:
+reads), the content keys of a prompt and the router's prefix walk; the index, the
+per-worker hybrid rules and the assembly of the answer are Python in both modes.  Rows:
 
 * ``stream``: block-events/s from msgpack bytes, 4 engines' streams as in
   ``benchmarks/index.py`` (GPU stores of 8-16 blocks, CPU placeholders, one-hash
@@ -14,9 +14,10 @@ both modes.  Rows:
   ``content.chain_units`` per block).
 * ``prompt keys``: the 512 content keys of an 8,192-token prompt, native vs the Python
   chain (``kvevents.consumers.content`` with the core switched off), in ms.
-* ``find_matches``: an 8,192-token prompt over 1,000 workers (100 with ``--quick``), each
-  holding a random prefix of it (``benchmarks/index.py``'s ``populate``), p50 and p99 in
-  ms, with the native prompt keys vs with the Python ones, sampled alternately.
+* ``find_matches``: an 8,192-token prompt over 1,000 workers (100 with ``--quick``), all
+  of them or 1% holding a random prefix of it and the others as much of another prompt
+  (``benchmarks/index.py``'s ``populate``), p50 and p99 in ms, with the compiled prompt
+  keys and walk vs the Python ones, sampled alternately.
 
 Run: ``python benchmarks/native.py [--quick]`` (skips, saying so, when the core does not
 run: ``pip install ./native``, and ``KVEVENTS_NATIVE`` not ``0``).
@@ -39,6 +40,7 @@ from index import BS, block_events, engine_stream, populate
 from vs_vllm import reference
 
 import kvevents.consumers.content as content
+import kvevents.consumers.router.walk as walk_module
 from kvevents import BatchDecoder, BlockStored, encode_batch
 from kvevents.consumers.router import Router
 from kvevents.native import NATIVE as kn
@@ -125,43 +127,54 @@ def _pct(s: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))] * 1e3
 
 
+def use_core(on: bool) -> None:
+    """Switch the compiled prompt keys and walk on or off (the rest is Python anyway)."""
+    content.NATIVE = kn if on else None
+    walk_module.walk = kn.walk if on else walk_module.python_walk
+
+
 def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:
     rng = random.Random(7)
     workers = 100 if quick else 1000
     prompt = [rng.randrange(50_000) for _ in range(8192)]
-    router = Router(populate(workers, prompt, rng, 1))
-    saved = content.NATIVE
+    rows = []
     reps = 20 if quick else 300
-    want = router.find_matches(prompt)
-    content.NATIVE = None
-    try:
-        if router.find_matches(prompt) != want:
-            raise AssertionError("native and Python keys route differently")
-    finally:
-        content.NATIVE = saved
-    keys_n: list[float] = []
-    keys_p: list[float] = []
-    find_n: list[float] = []
-    find_p: list[float] = []
-    try:
-        for _ in range(reps):  # alternately, so the machine's drift hits both
-            for native, keys_s, find_s in ((saved, keys_n, find_n), (None, keys_p, find_p)):
-                content.NATIVE = native
-                t0 = time.perf_counter()
-                content.prompt_keys(prompt, UNIT)
-                t1 = time.perf_counter()
-                router.find_matches(prompt)
-                t2 = time.perf_counter()
-                keys_s.append(t1 - t0)
-                find_s.append(t2 - t1)
-    finally:
-        content.NATIVE = saved
-    label = f"find_matches 8k tok x {workers} w, own prefixes"
-    return [
-        result("prompt keys 8k tok p50 (vs Python)", _pct(keys_n, 0.5), "ms", _pct(keys_p, 0.5)),
-        result(f"{label}: p50 (vs Python keys)", _pct(find_n, 0.5), "ms", _pct(find_p, 0.5)),
-        result(f"{label}: p99 (vs Python keys)", _pct(find_n, 0.99), "ms", _pct(find_p, 0.99)),
-    ]
+    for every, what in ((1, "all hold a prefix"), (100, "1% hold a prefix")):
+        router = Router(populate(workers, prompt, rng, every))
+        try:
+            use_core(True)
+            want = router.find_matches(prompt)
+            use_core(False)
+            if router.find_matches(prompt) != want:
+                raise AssertionError("the native and the Python core route differently")
+            keys_n: list[float] = []
+            keys_p: list[float] = []
+            find_n: list[float] = []
+            find_p: list[float] = []
+            for _ in range(reps):  # alternately, so the machine's drift hits both
+                for on, keys_s, find_s in ((True, keys_n, find_n), (False, keys_p, find_p)):
+                    use_core(on)
+                    t0 = time.perf_counter()
+                    content.prompt_keys(prompt, UNIT)
+                    t1 = time.perf_counter()
+                    router.find_matches(prompt)
+                    t2 = time.perf_counter()
+                    keys_s.append(t1 - t0)
+                    find_s.append(t2 - t1)
+        finally:
+            use_core(True)
+        label = f"find_matches 8k tok x {workers} w, {what}"
+        if every == 1:
+            rows.append(
+                result(
+                    "prompt keys 8k tok p50 (vs Python)", _pct(keys_n, 0.5), "ms", _pct(keys_p, 0.5)
+                )
+            )
+        rows += [
+            result(f"{label}: p50 (vs Python)", _pct(find_n, 0.5), "ms", _pct(find_p, 0.5)),
+            result(f"{label}: p99 (vs Python)", _pct(find_n, 0.99), "ms", _pct(find_p, 0.99)),
+        ]
+    return rows
 
 
 def main() -> None:

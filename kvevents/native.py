@@ -32,6 +32,8 @@ from kvevents.events import (
 __all__ = ["NATIVE", "batch_from_parsed", "core_name", "native_decode", "native_version"]
 
 _SETTING = os.environ.get("KVEVENTS_NATIVE", "").strip()
+_REQUIRED = ("parse_batch", "prompt_keys", "walk")
+"""What kvevents calls in the core: a build without one of them is not used."""
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -46,6 +48,12 @@ def _load() -> tuple[ModuleType | None, str]:
                 f"({exc}); build it with `pip install ./native`"
             ) from exc
         return None, "kvevents-native not installed"
+    missing = [name for name in _REQUIRED if not hasattr(kvevents_native, name)]
+    if missing:  # an older build than this kvevents: rebuild it
+        why = f"kvevents-native {kvevents_native.__version__} lacks {', '.join(missing)}"
+        if _SETTING == "1":
+            raise ImportError(f"KVEVENTS_NATIVE=1 but {why}; rebuild: `pip install ./native`")
+        return None, why
     return kvevents_native, ""
 
 

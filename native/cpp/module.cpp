@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "keys.hpp"
+#include "walk.hpp"
 #include "wire.hpp"
 
 namespace nb = nanobind;
@@ -249,6 +250,21 @@ NB_MODULE(_core, m) {
         "input included): hand it to the Python decoder then.");
   m.def("prompt_keys", &prompt_keys, nb::arg("tokens"), nb::arg("unit"), nb::arg("root"),
         "Content keys of every whole unit of ``tokens`` chained from ``root``.");
+  m.def(
+      "walk",
+      [](nb::handle ks, nb::handle get, int64_t step, int64_t unit, nb::handle first,
+         nb::handle starts, nb::handle aligned, nb::handle end, nb::handle pos_bits,
+         nb::handle nxt) {
+        (void)pos_bits;  // the contract: pos_bits[s + 1] == 1 << s
+        PyObject* r = kvn::walk(ks.ptr(), get.ptr(), step, unit, first.ptr(), starts.ptr(),
+                                aligned.ptr(), end.ptr(), nxt.ptr());
+        if (!r) throw nb::python_error();
+        return nb::steal(r);
+      },
+      nb::arg("ks"), nb::arg("get"), nb::arg("step"), nb::arg("unit"), nb::arg("first"),
+      nb::arg("starts"), nb::arg("aligned"), nb::arg("end"), nb::arg("pos_bits"),
+      nb::arg("nxt") = nb::tuple(),
+      "The router's prefix walk (kvevents.consumers.router.walk.walk), compiled.");
   m.def("chain_units", &chain_units, nb::arg("parent"), nb::arg("tokens"), nb::arg("unit"),
         "The key of the last whole unit of ``tokens`` chained on ``parent``.");
 }

@@ -28,8 +28,17 @@ from operator import sub
 
 from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
 from kvevents.consumers.router.match import Match
+from kvevents.native import NATIVE
 
-__all__ = ["SlotEnds", "assemble", "full_prefix", "simple_ends", "simple_matches", "walk"]
+__all__ = [
+    "SlotEnds",
+    "assemble",
+    "full_prefix",
+    "python_walk",
+    "simple_ends",
+    "simple_matches",
+    "walk",
+]
 
 _NO_JOIN = (0, 0)
 _EMPTY: Mapping[int, int] = {}
@@ -145,6 +154,12 @@ def walk(
     if pend:
         nstarts[nfirst] = pend
     return credited, nstarts, naligned
+
+
+python_walk = walk
+"""The walk above, which the compiled core's walk is tested against (tests/native)."""
+if NATIVE is not None:
+    walk = NATIVE.walk  # the same walk, compiled
 
 
 SlotEnds = tuple[list[int], list[int] | None, list[int] | None, int]

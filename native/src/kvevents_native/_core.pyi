@@ -18,3 +18,15 @@ class ParsedBatch:
 def parse_batch(payload: bytes | bytearray | memoryview) -> ParsedBatch | None: ...
 def prompt_keys(tokens: Sequence[SupportsIndex], unit: int, root: int) -> list[int]: ...
 def chain_units(parent: int, tokens: Sequence[SupportsIndex], unit: int) -> int: ...
+def walk(
+    ks: Sequence[int],
+    get: Any,
+    step: int,
+    unit: int,
+    first: int,
+    starts: Any,
+    aligned: int,
+    end: list[int],
+    pos_bits: Sequence[int],
+    nxt: Sequence[tuple[int, int]] = (),
+) -> tuple[int, dict[int, int], int]: ...
