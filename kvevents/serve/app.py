@@ -14,7 +14,8 @@ Routes:
 * ``GET /v1/models``: the engines' model lists merged (by id).
 * ``POST /route``: the same plan as the OpenAI routes (the same checks and the same
   key) without forwarding: ``{"tokens": N, "ranked": [{"engine", "rank", "gpu", "cpu",
-  "storage", "load", "cost"}, ...]}`` best first.
+  "storage", "pending", "load", "cost"}, ...]}`` best first (``pending``: tokens the
+  service just routed there, not yet confirmed by the engine's events).
 * ``GET /workers``, ``GET /metrics``, ``GET /healthz``, ``GET /readyz`` (200 once every
   rank has caught up and every up engine's index is complete, unless
   ``ready_when_incomplete``), and the dashboard at ``GET /``.
@@ -54,9 +55,11 @@ from starlette.routing import Route
 from kvevents.capture import CaptureWriter
 from kvevents.serve.bootstrap import SNAPSHOT_MEDIA_TYPE, fetch_snapshot, is_loopback
 from kvevents.serve.config import ServeConfig
+from kvevents.serve.exchange import ReservationExchange
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.plan import Planner
 from kvevents.serve.proxy import Forwarder
+from kvevents.serve.reservations import Reservations
 from kvevents.serve.routing import LoadTracker, RoutingPolicy
 from kvevents.serve.status import WorkersReport
 from kvevents.serve.telemetry import ServeMetrics, StreamCollector
@@ -91,10 +94,22 @@ class ServeApp:
             )  # fmt: skip
         self.fleet = Fleet(config, capture, boot)
         self.loads = LoadTracker(config.load_tokens)
-        self.policy = RoutingPolicy(self.fleet, config.policy, self.loads, config.seed)
+        self.reservations = (
+            Reservations(config, self.fleet)
+            if config.pending_weight > 0 and config.policy.startswith("kv-aware")
+            else None
+        )
+        res = self.reservations
+        self.policy = RoutingPolicy(
+            self.fleet, config.policy, self.loads, config.seed,
+            pending=res.overlay if res else None, pending_weight=config.pending_weight,
+        )  # fmt: skip
+        self.exchange = ReservationExchange.for_config(config, res)
         sub = self.fleet.subscriber
         self.metrics = ServeMetrics(
             [("subscriber", sub), ("index", self.fleet.index), ("decoder", sub.decoder)]
+            + ([("pending", res)] if res else [])
+            + ([("pending_exchange", self.exchange)] if self.exchange else [])
         )
         self.metrics.registry.register(StreamCollector(self.fleet))
         self.upstream = EngineClients(config, self.fleet, self.loads, self.metrics)
@@ -103,6 +118,9 @@ class ServeApp:
         self.forwarder = Forwarder(
             self.fleet, self.loads, self.metrics, self.upstream.clients, self.planner
         )
+        if res is not None:
+            res.router = self.policy.router
+            self.forwarder.reservations = res
         self.report = WorkersReport(
             config, self.fleet, self.loads, self.metrics, self.upstream, self.forwarder
         )
@@ -136,6 +154,8 @@ class ServeApp:
         """Start following the engines' events, open the clients, start scraping."""
         self.fleet.start()
         self.upstream.open()
+        if self.exchange is not None:
+            await self.exchange.start()
         self._tasks.append(asyncio.create_task(self.upstream.scrape_loop()))
 
     async def stop(self) -> None:
@@ -146,6 +166,8 @@ class ServeApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        if self.exchange is not None:
+            await self.exchange.stop()
         await self.upstream.close()
         self.fleet.close()
 

@@ -14,7 +14,9 @@ import asyncio
 import json
 from typing import Any
 
+from kvevents.errors import ConfigError
 from kvevents.serve import require_serve_extra
+from kvevents.serve.burstgen import BurstConfig, format_bursts, run_bursts
 from kvevents.serve.config import POLICIES
 from kvevents.serve.loadgen import LoadgenConfig, ProgressBar, format_loadgen, run_loadgen
 
@@ -37,8 +39,24 @@ def _cmd_sim_serve(args: argparse.Namespace) -> int:
 
 def _cmd_loadgen(args: argparse.Namespace) -> int:
     require_serve_extra("kvevents loadgen")
+    if args.burst is not None:
+        bcfg = BurstConfig(
+            urls=tuple(u.rstrip("/") for u in args.url),
+            burst=args.burst,
+            bursts=args.bursts,
+            context_words=(args.context_words[0], args.context_words[1]),
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            model=args.model,
+        )
+        bcfg.validate()
+        breport = asyncio.run(run_bursts(bcfg))
+        print(json.dumps(breport.to_json()) if args.json else format_bursts(breport))
+        return 0 if all(r.ok for b in breport.bursts for r in b.requests) else 1
+    if len(args.url) != 1:
+        raise ConfigError("the chat workload takes one URL (several only with --burst)")
     cfg = LoadgenConfig(
-        url=args.url.rstrip("/"),
+        url=args.url[0].rstrip("/"),
         requests=args.requests,
         tenants=args.tenants,
         sessions=args.sessions,
@@ -127,6 +145,23 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help="/readyz does not wait for every engine's index to be complete",
     )
+    p.add_argument(
+        "--pending-weight",
+        type=float,
+        metavar="W",
+        help="worth of a token just routed to a rank and not yet confirmed by its events, "
+        "against a reused one (default 0.5; 0 turns the pending overlay off)",
+    )
+    p.add_argument("--pending-ttl", type=float, metavar="S", help="reservation lifetime (10 s)")
+    p.add_argument(
+        "--pending-max-mib", type=float, metavar="MIB", help="pending overlay memory bound (32)"
+    )
+    p.add_argument(
+        "--pending-nats",
+        metavar="URL",
+        help="NATS server replicas exchange their reservations on (default: --nats)",
+    )
+    p.add_argument("--replica", metavar="NAME", help="this replica's name on the exchange")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=_cmd_serve)
@@ -176,7 +211,28 @@ def add_parsers(sub: Any) -> None:
         "at a concurrency or a rate; reports prefix reuse (from cached_tokens), time to "
         "first token and throughput.",
     )
-    p.add_argument("url", help="base URL of the OpenAI server (e.g. http://127.0.0.1:8000)")
+    p.add_argument(
+        "url",
+        nargs="+",
+        help="base URL of the OpenAI server (e.g. http://127.0.0.1:8000); with --burst, "
+        "several: the siblings of a burst alternate between them",
+    )
+    p.add_argument(
+        "--burst",
+        type=int,
+        metavar="K",
+        help="send bursts of K concurrent siblings sharing a new long context instead of "
+        "chats; reports recomputed prompt tokens and TTFT per burst",
+    )
+    p.add_argument("--bursts", type=int, default=10, help="bursts to send with --burst (10)")
+    p.add_argument(
+        "--context-words",
+        type=int,
+        nargs=2,
+        default=(1500, 3000),
+        metavar=("LO", "HI"),
+        help="words of a burst's shared context (1500 3000: about 2k-8k tokens)",
+    )
     p.add_argument("--requests", type=int, default=200, help="requests to send (200)")
     p.add_argument("--tenants", type=int, default=4, help="distinct system prompts (4)")
     p.add_argument("--sessions", type=int, default=16, help="conversations open at once (16)")

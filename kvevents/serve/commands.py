@@ -60,6 +60,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "bootstrap_from": args.bootstrap_from,
             "admin_token": args.admin_token,
             "ready_when_incomplete": args.ready_when_incomplete,
+            "pending_weight": args.pending_weight,
+            "pending_ttl_s": args.pending_ttl,
+            "pending_max_bytes": (
+                None if args.pending_max_mib is None else int(args.pending_max_mib * (1 << 20))
+            ),
+            "pending_nats": args.pending_nats,
+            "replica": args.replica,
         },
     )
     service = ServeApp(config)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvevents.consumers.router.pending import DEFAULT_PENDING_WEIGHT
 from kvevents.engines import EngineSpec, parse_engine_spec
 from kvevents.errors import ConfigError
 
@@ -83,6 +84,18 @@ class ServeConfig:
     bootstrap_from: str | None = None
     admin_token: str | None = None
     ready_when_incomplete: bool = False
+    pending_weight: float = DEFAULT_PENDING_WEIGHT
+    """What a token the service just routed to a rank (pending, not yet confirmed by its
+    events) is worth against a reused one; 0 turns the pending overlay off."""
+    pending_ttl_s: float = 10.0
+    """How long a reservation lives at most."""
+    pending_max_bytes: int = 32 << 20
+    """Memory bound of the pending overlay (estimated bytes; 4096 reservations at most)."""
+    pending_nats: str | None = None
+    """NATS server the replicas exchange reservations on (default: ``nats_url``; none:
+    this service sees only its own)."""
+    replica: str | None = None
+    """This replica's name on the exchange (default: host:port and a random suffix)."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""
@@ -113,6 +126,10 @@ class ServeConfig:
             raise ConfigError(f"stale_after_s must be > 0, not {self.stale_after_s}")
         if self.bootstrap_from is not None and self.nats_url is not None:
             raise ConfigError("--bootstrap-from follows ZMQ streams: not with --nats")
+        if not (0 <= self.pending_weight < float("inf")) or not self.pending_ttl_s > 0:
+            raise ConfigError("pending_weight must be >= 0 and finite, pending_ttl_s > 0")
+        if self.pending_max_bytes < 1 << 16:
+            raise ConfigError("pending_max_bytes must be >= 65536")
 
 
 _OPTION_TYPES: dict[str, type] = {
@@ -134,6 +151,11 @@ _OPTION_TYPES: dict[str, type] = {
     "bootstrap_from": str,
     "admin_token": str,
     "ready_when_incomplete": bool,
+    "pending_weight": float,
+    "pending_ttl_s": float,
+    "pending_max_bytes": int,
+    "pending_nats": str,
+    "replica": str,
 }
 
 _ENV = {
@@ -143,6 +165,7 @@ _ENV = {
     "KVEVENTS_SERVE_TOKENIZER": "tokenizer",
     "KVEVENTS_SERVE_LOAD_TOKENS": "load_tokens",
     "KVEVENTS_SERVE_ADMIN_TOKEN": "admin_token",
+    "KVEVENTS_SERVE_PENDING_WEIGHT": "pending_weight",
 }
 
 

@@ -17,7 +17,8 @@ the latency, and ``usage.prompt_tokens_details.cached_tokens``: prefix reuse is
 
 The text (system prompts, questions) is drawn from one :class:`random.Random` seeded with
 ``seed``, so a run's prompts are reproducible; which request meets which answer depends on
-the server.  Needs the ``serve`` extra (httpx).
+the server.  Needs the ``serve`` extra (httpx).  Bursts of siblings sharing a new long
+context (``--burst K``) are :mod:`~kvevents.serve.burstgen`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from typing import IO, Any
 
 from kvevents.errors import ConfigError
 
-__all__ = ["LoadgenConfig", "LoadgenReport", "RequestRecord", "format_loadgen", "run_loadgen"]
+__all__ = [
+    "LoadgenConfig",
+    "LoadgenReport",
+    "RequestRecord",
+    "format_loadgen",
+    "request_one",
+    "run_loadgen",
+]
 
 
 @dataclass(frozen=True)
@@ -202,9 +210,12 @@ def _words(rng: random.Random, span: tuple[int, int], tag: str = "") -> str:
     return " ".join(f"{tag}w{rng.randrange(50_000)}" for _ in range(n))
 
 
-async def _one(
-    client: Any, cfg: LoadgenConfig, s: _Session, msgs: list[dict[str, str]]
+async def request_one(
+    client: Any, cfg: LoadgenConfig, session: int, turn: int, msgs: list[dict[str, str]]
 ) -> tuple[RequestRecord, str | None]:
+    """Send one streamed chat request ``msgs`` (``cfg``'s ``max_tokens`` and ``model``)
+    with ``client`` (an ``httpx.AsyncClient`` on the server's base URL); its record and
+    the answer's text (None when it failed)."""
     import httpx
 
     body: dict[str, Any] = {
@@ -216,7 +227,7 @@ async def _one(
     if cfg.model:
         body["model"] = cfg.model
     t0 = time.perf_counter()
-    rec = RequestRecord(s.sid, s.turn, False, 0, None, None, 0.0)
+    rec = RequestRecord(session, turn, False, 0, None, None, 0.0)
     text: list[str] = []
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -271,7 +282,7 @@ async def run_loadgen(
     async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits) as client:
 
         async def send(s: _Session, msgs: list[dict[str, str]]) -> None:
-            rec, text = await _one(client, cfg, s, msgs)
+            rec, text = await request_one(client, cfg, s.sid, s.turn, msgs)
             report.records.append(rec)
             async with changed:
                 work.answered(s, text)

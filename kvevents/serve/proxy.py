@@ -30,6 +30,7 @@ from kvevents.serve.answers import (
 )
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.plan import Planner
+from kvevents.serve.reservations import Reservations
 from kvevents.serve.routing import LoadTracker, Ranked
 from kvevents.serve.telemetry import ServeMetrics
 from kvevents.serve.tokens import BadRequest
@@ -52,6 +53,16 @@ class RankStats:
     unchecked: int = 0
     errors: int = 0
     checks: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=50))
+    pending: int = 0
+    """Pending tokens credited (part of ``predicted``): routed there before, unconfirmed."""
+    pending_over: int = 0
+    """Checks where pending credit was not reused (the engine reused less than
+    confirmed + pending): over-credit with pending credit in it, counted apart."""
+    pending_over_tokens: int = 0
+    """Of those checks' over-credit, the tokens that came from pending."""
+    pending_under: int = 0
+    """Checks with pending credit where the engine reused more than confirmed + pending."""
+    pending_under_tokens: int = 0
 
 
 class Forwarder:
@@ -77,6 +88,8 @@ class Forwarder:
         self.planner = planner
         self.rank_stats: dict[str, RankStats] = {st.label: RankStats() for st in fleet.ranks}
         self.requests_total = 0
+        self.reservations: Reservations | None = None
+        """The pending overlay's hooks (set by the service when it has one)."""
 
     def error(
         self, route: str, message: str, status: int, param: str | None = None
@@ -120,8 +133,10 @@ class Forwarder:
             h = dict(headers)
             if st.rank > 0:
                 h["X-data-parallel-rank"] = str(st.rank)
-            uncached = max(0, len(tokens) - cand.match.total)
+            uncached = max(0, len(tokens) - cand.match.total - cand.pending)
             self.loads.started(st.label, uncached)
+            res = self.reservations
+            rid = res.reserve(plan.key, st) if res is not None else None
             client = self.clients[name]
             req = client.build_request("POST", st.engine.http_base() + path, content=raw, headers=h)
             try:
@@ -133,6 +148,8 @@ class Forwarder:
                 httpx.ReadError,
             ) as exc:
                 # nothing was answered: the engine is gone; try the next one
+                if res is not None:
+                    res.dropped(rid)
                 self.loads.answered(st.label, uncached)
                 self.loads.finished(st.label)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
@@ -143,6 +160,8 @@ class Forwarder:
                 last_error = f"engine {name} failed: {type(exc).__name__}"
                 continue
             except httpx.HTTPError as exc:
+                if res is not None:
+                    res.finished(rid)
                 self.loads.answered(st.label, uncached)
                 self.loads.finished(st.label)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
@@ -154,7 +173,7 @@ class Forwarder:
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers["x-kvevents-worker"] = st.label
             return StreamingResponse(
-                self._relay(resp, cand, len(tokens), uncached, t0, path, stream),
+                self._relay(resp, cand, len(tokens), uncached, t0, path, stream, rid),
                 status_code=resp.status_code,
                 headers=out_headers,
             )
@@ -169,6 +188,7 @@ class Forwarder:
         t0: float,
         path: str,
         stream: bool,
+        rid: int | None = None,
     ) -> AsyncIterator[bytes]:
         st = cand.state
         label = st.label
@@ -208,6 +228,8 @@ class Forwarder:
             if first:
                 self.loads.answered(label, uncached)
             self.loads.finished(label)
+            if self.reservations is not None:
+                self.reservations.finished(rid)
             self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
             status = resp.status_code if ok else (499 if gone else 502)
             self.metrics.requests.labels(path, str(status)).inc()
@@ -216,7 +238,12 @@ class Forwarder:
 
     def check_truth(self, cand: Ranked, body: bytes, stream: bool) -> None:
         """Compare the prediction for ``cand`` with the ``cached_tokens`` the engine
-        reported in its answer ``body``; counted in ``rank_stats`` and the metrics."""
+        reported in its answer ``body``; counted in ``rank_stats`` and the metrics.
+
+        The prediction is the confirmed match plus the pending tokens credited; when
+        there were pending tokens, a miss is also counted apart as over- or under-credit
+        with pending in it (``pending_over``/``pending_under``), so the truth of the
+        events stays readable on its own."""
         st = cand.state
         stats = self.rank_stats[st.label]
         reported = cached_tokens(body, stream)
@@ -225,8 +252,21 @@ class Forwarder:
             stats.unchecked += 1
             self.metrics.unchecked.labels(name).inc()
             return
-        predicted = cand.match.total
+        pending = cand.pending
+        predicted = cand.match.total + pending
         err = predicted - reported
+        if pending:
+            stats.pending += pending
+            if err > 0:
+                stats.pending_over += 1
+                stats.pending_over_tokens += min(pending, err)
+                self.metrics.pending_checks.labels(name, "over").inc()
+            elif err < 0:
+                stats.pending_under += 1
+                stats.pending_under_tokens -= err
+                self.metrics.pending_checks.labels(name, "under").inc()
+            else:
+                self.metrics.pending_checks.labels(name, "exact").inc()
         stats.predicted += predicted
         stats.reported += reported
         stats.checks.append((predicted, reported))

@@ -23,6 +23,12 @@ value or predict the CPU tier.  ``round-robin`` and ``random`` ignore the cache 
 load, and are there as baselines.
 Every policy reports the index's prediction (the match per tier) for the rank it picks,
 so the online truth check works whatever the policy.
+
+With a pending overlay (:mod:`~kvevents.serve.reservations`), the KV-aware policies
+also credit ``pending``: tokens the service just routed to a rank that its events do not
+show yet, at the overlay's weight.  Such a request waits for that rank's prefill of the
+shared blocks instead of computing them: the rank's in-flight prefill counted in its
+load is lowered by the pending tokens credited (never below zero).
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvevents.consumers import Match, Router, TierWeights
+from kvevents.consumers import Match, PendingOverlay, Router, TierWeights
 from kvevents.errors import ConfigError
 from kvevents.request import RequestKey
 from kvevents.serve.config import POLICIES
@@ -52,6 +58,8 @@ class Ranked:
     match: Match
     load: float
     cost: float
+    pending: int = 0
+    """Tokens pending on the rank beyond ``match`` (routed there, not yet confirmed)."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +68,7 @@ class Ranked:
             "gpu": self.match.gpu,
             "cpu": self.match.cpu,
             "storage": self.match.storage,
+            "pending": self.pending,
             "load": round(self.load, 3),
             "cost": round(self.cost, 3),
         }
@@ -113,13 +122,28 @@ class LoadTracker:
 class RoutingPolicy:
     """Ranks the up engine ranks of a :class:`Fleet` for a request key."""
 
-    def __init__(self, fleet: Fleet, policy: str, loads: LoadTracker, seed: int = 0) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: str,
+        loads: LoadTracker,
+        seed: int = 0,
+        *,
+        pending: PendingOverlay | None = None,
+        pending_weight: float = 0.0,
+    ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
         self.fleet = fleet
         self.policy = policy
         self.loads = loads
-        self.router = Router(fleet.index, weights=TierWeights(), load_weight=1.0)
+        self.router = Router(
+            fleet.index,
+            weights=TierWeights(),
+            load_weight=1.0,
+            pending=pending,
+            pending_weight=pending_weight,
+        )
         self._rng = random.Random(seed)
         self._next = 0
         self._lock = threading.Lock()
@@ -139,10 +163,19 @@ class RoutingPolicy:
         with fleet.lock:
             scored = self._score(key, cost_loads)
         ranked = [
-            Ranked(wid_of[c.worker], c.match, load_of[c.worker], c.cost)
+            Ranked(wid_of[c.worker], c.match, load_of[c.worker], c.cost, c.pending)
             for c in scored
             if c.worker in wid_of
         ]
+        if kv and any(r.pending for r in ranked):
+            lw, prefill = self.router.load_weight, self.loads.prefill
+            ranked = [
+                replace(r, cost=r.cost - lw * min(r.pending, prefill.get(r.state.label, 0)))
+                if r.pending
+                else r
+                for r in ranked
+            ]
+            ranked.sort(key=lambda r: (r.cost, fleet.worker_id(r.state)))
         if len(ranked) < len(wid_of):
             # untrusted ranks (silent streams, left out by the index): no KV credit, load only
             seen = {id(r.state) for r in ranked}

@@ -93,6 +93,12 @@ class ServeMetrics:
             f"{ns}_reported_cached_tokens", "Cached prompt tokens reported by engines",
             ["engine"], registry=r,
         )  # fmt: skip
+        self.pending_checks = Counter(
+            f"{ns}_pending_predictions",
+            "Truth checks of requests credited with pending tokens, by outcome (exact, "
+            "over: pending credit not reused, under)",
+            ["engine", "outcome"], registry=r,
+        )  # fmt: skip
         self.unchecked = Counter(
             f"{ns}_truth_unchecked", "Answered requests without cached_tokens in their usage",
             ["engine"], registry=r,

@@ -82,7 +82,16 @@ def test_follow_up_goes_where_the_index_says_and_prediction_is_exact(stack: Loca
         ranked = c.post("/route", json={"messages": msgs2}).json()["ranked"]
         assert ranked[0]["engine"] + ":0" == worker and ranked[0]["gpu"] > 0
         assert {r["engine"] for r in ranked} == {"sim-0", "sim-1", "sim-2"}
-        assert set(ranked[0]) == {"engine", "rank", "gpu", "cpu", "storage", "load", "cost"}
+        assert set(ranked[0]) == {
+            "engine",
+            "rank",
+            "gpu",
+            "cpu",
+            "storage",
+            "pending",
+            "load",
+            "cost",
+        }
         r2 = chat(c, msgs2)
         assert r2.headers["x-kvevents-worker"] == worker
         reported = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -277,6 +277,18 @@ class PendingOverlay:
             r.expires = deadline
             heapq.heappush(self._heap, (deadline, rid))
 
+    def cancel(self, rid: int) -> None:
+        """Reservation ``rid``'s request never reached its worker: it ends now
+        (``contradicted``)."""
+        r = self._by_id.get(rid)
+        if r is not None:
+            self._drop(r)
+            self.stats.contradicted += 1
+
+    def gauges(self) -> dict[str, float]:
+        """Live reservations and their estimated bytes."""
+        return {"entries": float(len(self._by_id)), "bytes": float(self._nbytes)}
+
     def clear(self) -> None:
         """Drop every reservation (counted nowhere)."""
         for r in list(self._by_id.values()):

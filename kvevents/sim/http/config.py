@@ -36,7 +36,10 @@ class SimHTTPConfig:
     ``step_s``: fixed cost of an engine step (seconds); ``prefill_s_per_token``: added
     per prompt token computed (not reused) in the step; ``default_max_tokens``: output
     length when a request gives no ``max_tokens``; ``loras``: adapter names served
-    besides the base model; ``buffer_steps``: replay buffer of the publisher (batches).
+    besides the base model; ``buffer_steps``: replay buffer of the publisher (batches);
+    ``events_after_step``: a step's KV events are published once its simulated time
+    (``step_s`` + prefill) has passed, as vLLM publishes them after the step's forward
+    pass (False: at the step's start, before its prefill time).
     """
 
     engine: SimEngineConfig = field(default_factory=default_http_engine)
@@ -47,3 +50,4 @@ class SimHTTPConfig:
     buffer_steps: int = 10_000
     vocab_size: int = 32_000
     model: str = MODEL
+    events_after_step: bool = True

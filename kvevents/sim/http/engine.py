@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvevents.errors import ConfigError
+from kvevents.events import KVEventBatch
 from kvevents.publishers import ZmqEventPublisher
 from kvevents.sim.cluster import loopback_endpoint
 from kvevents.sim.engine import RequestResult, SimEngine
@@ -43,6 +44,31 @@ from kvevents.tokenizer import SimTokenizer
 __all__ = ["SimHTTPEngine"]
 
 logger = logging.getLogger(__name__)
+
+
+class _StepSink:
+    """The engine's sink: passes batches to the publisher, or, while ``holding``, keeps
+    them until :meth:`release` (the end of the step's simulated compute time)."""
+
+    def __init__(self, publisher: ZmqEventPublisher) -> None:
+        self.publisher = publisher
+        self.holding = False
+        self._held: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        if self.holding:
+            self._held.append(batch)
+        else:
+            self.publisher.publish(batch)
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for b in held:
+            self.publisher.publish(b)
+
+    def shutdown(self) -> None:
+        self.release()
+        self.publisher.shutdown()
 
 
 class SimHTTPEngine:
@@ -82,7 +108,8 @@ class SimHTTPEngine:
         self.events_endpoint = loopback_endpoint(self.publisher.endpoint)
         rep = self.publisher.replay_endpoint
         self.replay_endpoint = loopback_endpoint(rep) if rep else None
-        self.engine = SimEngine(self.config.engine, self.publisher, name=name)
+        self._sink = _StepSink(self.publisher)
+        self.engine = SimEngine(self.config.engine, self._sink, name=name)
         self.host = host
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,9 +205,12 @@ class SimHTTPEngine:
             self._incoming.clear()
             computed = engine.stats.computed_tokens
             t0 = time.perf_counter()
+            self._sink.holding = cfg.events_after_step
             engine.step()
+            self._sink.holding = False
             cost = cfg.step_s + cfg.prefill_s_per_token * (engine.stats.computed_tokens - computed)
             await asyncio.sleep(max(0.0, cost - (time.perf_counter() - t0)))
+            self._sink.release()  # the step's blocks are computed: vLLM publishes now
             # what each running request has generated so far (the engine's own count)
             for request_id, generated in engine.progress():
                 p = self._by_id.get(request_id)
