@@ -74,17 +74,20 @@ def test_siblings_land_together_and_pending_is_checked(stack: LocalStack) -> Non
     assert all(a.status_code == 200 for a in answers)
     workers = {a.headers["x-kvevents-worker"] for a in answers}
     assert len(workers) == 1  # the burst landed on one rank
-    cached = sorted(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
-    assert cached[0] == 0 and all(c >= 1490 for c in cached[1:])  # the context computed once
+    usage = [a.json()["usage"] for a in answers]
+    cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+    prompt = min(u["prompt_tokens"] for u in usage)
+    # the context computed once: every other sibling reused all of it
+    assert cached[0] == 0 and all(c >= prompt - 32 for c in cached[1:]), (cached, prompt)
     # the truth check counted the pending credit of the siblings, apart
-    stats = stack.service.rank_stats[next(iter(workers))]
+    stats = stack.service.forwarder.rank_stats[next(iter(workers))]
     assert stats.pending > 0 and stats.pending_over == 0
     assert _metric(url, "kvevents_serve_pending_predictions_total") >= 1
     # the engine's events confirmed every reservation: no pending credit remains
     wait_until(lambda: _metric(url, "kvevents_pending_entries") == 0, what="confirmations")
     assert _metric(url, "kvevents_pending_confirmed_total") >= 1
     top = _route(url, "another question")[0]
-    assert top["pending"] == 0 and int(str(top["gpu"])) >= 1490
+    assert top["pending"] == 0 and int(str(top["gpu"])) >= prompt - 32
 
 
 def test_route_shows_pending_while_the_first_prefills(stack: LocalStack) -> None:
@@ -93,7 +96,7 @@ def test_route_shows_pending_while_the_first_prefills(stack: LocalStack) -> None
         first = pool.submit(
             lambda: httpx.post(url + "/v1/chat/completions", json=_chat("first"), timeout=60)
         )
-        wait_until(lambda: int(str(_route(url, "second")[0]["pending"])) > 1400, what="pending")
+        wait_until(lambda: int(str(_route(url, "second")[0]["pending"])) > 1000, what="pending")
         ranked = _route(url, "second")
         top = ranked[0]
         assert set(top) == {"engine", "rank", "gpu", "cpu", "storage", "pending", "load", "cost"}
@@ -103,7 +106,7 @@ def test_route_shows_pending_while_the_first_prefills(stack: LocalStack) -> None
 
 
 def test_expired_reservations_leave_no_credit() -> None:
-    with _stack(0.5, ttl=0.3) as s:
+    with _stack(0.5, ttl=3.0) as s:
         wait_until(lambda: ready(s.url), what="/readyz")
         res = s.service.reservations
         assert res is not None
@@ -113,7 +116,7 @@ def test_expired_reservations_leave_no_credit() -> None:
         st = s.service.fleet.ranks[1]
         s.call(_reserve(res, keys, st))
         top = httpx.post(s.url + "/route", json={"prompt": list(range(5000, 5900))}).json()
-        assert top["ranked"][0]["pending"] == 784
+        assert top["ranked"][0]["pending"] == 800
         wait_until(
             lambda: (
                 httpx.post(s.url + "/route", json={"prompt": list(range(5000, 5900))}).json()[
@@ -144,7 +147,7 @@ def test_weight_zero_turns_it_off() -> None:
 
 
 def test_burst_loadgen_reports_recomputed_tokens(stack: LocalStack) -> None:
-    cfg = BurstConfig(urls=(stack.url,), burst=4, bursts=2, context_words=(300, 400), seed=3)
+    cfg = BurstConfig(urls=(stack.url,), burst=4, bursts=2, context_words=(1000, 1200), seed=3)
     rep = asyncio.run(run_bursts(cfg)).to_json()
     assert rep["ok"] == 8 and rep["bursts"] == 2
     # each burst's context is prefilled once, on one engine
