@@ -34,7 +34,9 @@ class PublisherStats:
       (``shutdown_unflushed``), so after shutdown they count batches that left.
     * ``dropped_batches`` / ``dropped_events``: lost, by reason in ``drop_reasons``:
       ``queue_full`` (``publish()`` found the queue full), ``encode_error``,
-      ``send_error``, ``shutdown`` (still queued when the shutdown budget ran out),
+      ``send_error``, ``shutdown`` (still queued, or held for a collector that never
+      subscribed, when the shutdown budget ran out), ``no_subscriber`` (connect mode:
+      published before the collector's first subscription, beyond what may be held),
       ``shutdown_unflushed`` (sent to ZeroMQ but not confirmed taken by every connected
       subscriber's connection when the budget ran out).
     * ``encode_errors`` / ``send_errors``: batches lost to each failure.
@@ -55,6 +57,14 @@ class PublisherStats:
     * ``replay_peer_disconnects``: replay peers whose connection ended, including those
       ZeroMQ dropped for a frame above ``replay_max_message_bytes``.
     * ``internal_errors``: unexpected exceptions in the sender thread (logged).
+    * The live byte budget (what subscribers that stop reading can pin):
+      ``live_subscribers`` (connections open now), ``live_hwm`` (the ``SNDHWM`` derived
+      from the budget, messages per subscriber; the configured ``hwm`` until the first
+      batch), ``live_hwm_updates`` (times it was changed), ``live_batch_bytes`` (the
+      batch size it was derived from) and ``live_pinned_bytes_bound`` (what all
+      subscribers' queues can hold at most under it, bytes).
+    * ``head_batches_held``: in connect mode, batches published before the collector's
+      first subscription arrived and held until it did.
     """
 
     batches_published: int = 0
@@ -75,6 +85,12 @@ class PublisherStats:
     replay_refusals: Counter[str] = field(default_factory=Counter)
     replay_peer_disconnects: int = 0
     internal_errors: int = 0
+    live_subscribers: int = 0
+    live_hwm: int = 0
+    live_hwm_updates: int = 0
+    live_batch_bytes: int = 0
+    live_pinned_bytes_bound: int = 0
+    head_batches_held: int = 0
 
 
 def count_drop(stats: PublisherStats, reason: str, events: int, batches: int = 1) -> None:

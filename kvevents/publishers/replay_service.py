@@ -8,7 +8,7 @@ ZmqEventPublisher's sender thread drives it (:meth:`ReplayService.accept_request
 :meth:`ReplayService.serve`) between bursts of live messages; it owns no thread.
 
 Imports pyzmq, the frame helpers of :mod:`kvevents.codec`, the stats and the rate-limited
-log; nothing else of ``publishers``.
+log (and the errors); nothing else of ``publishers``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from typing import Any
 
 import zmq
 
-from kvevents.codec import pack_replay_end, pack_seq
+from kvevents.codec import (
+    pack_replay_end,
+    pack_replay_reply,
+    parse_replay_request,
+    unpack_seq,
+)
+from kvevents.errors import FrameError
 from kvevents.publishers.publisher_stats import PublisherStats
 from kvevents.ratelimit import RateLimitedLog
 
@@ -139,20 +145,17 @@ class ReplayService:
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) != 3:
-                self._refuse(
-                    "bad_frame_count",
-                    f"{len(frames)} frames, expected [identity, b'', start]",
-                )
+            try:
+                identity, _ = parse_replay_request(frames)
+            except FrameError as exc:
+                self._refuse("bad_frame_count", str(exc))
                 continue
-            identity, _delimiter, start_frame = frames
-            if len(start_frame) != 8:
-                self._refuse(
-                    "bad_start_frame",
-                    f"start frame of {len(start_frame)} bytes, expected an 8-byte seq",
-                )
+            try:
+                # Stricter than vLLM, which reads a start of any length.
+                start = unpack_seq(frames[2])
+            except FrameError as exc:
+                self._refuse("bad_start_frame", f"start {exc}")
                 continue
-            start = int.from_bytes(start_frame, "big")
             self.stats.replay_requests += 1
             peer = self.peers.get(identity)
             serving = sum(1 for p in self.peers.values() if p.cursors)
@@ -297,10 +300,8 @@ class ReplayService:
         sent = size = 0
         try:
             for k, (seq, payload) in enumerate(plan):
-                router.send_multipart(
-                    [cursor.identity, b"", self.topic_frame, pack_seq(seq)],
-                    zmq.SNDMORE | zmq.NOBLOCK,
-                )
+                frames = pack_replay_reply(cursor.identity, self.topic_frame, seq, payload)
+                router.send_multipart(frames[:-1], zmq.SNDMORE | zmq.NOBLOCK)
                 if k + 1 == len(plan):
                     tracker = router.send(
                         zmq.Frame(payload, track=True, copy=False),

@@ -48,6 +48,15 @@ Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
   so when the budget runs out with a subscriber behind, about ``track_every`` batches
   counted as ``shutdown_unflushed`` may still arrive; none counted as published is lost.
   ``publish()`` afterwards raises :class:`~kvevents.errors.PublisherClosedError`.
+* What subscribers that stop reading can pin is bounded in bytes
+  (``live_max_client_bytes`` each, ``live_max_bytes_in_flight`` in all): the PUB
+  socket's high-water mark is derived from the budget and the observed batch size,
+  never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`).  The socket is an
+  XPUB (the same protocol) so that the sender sees who subscribes.
+* In connect mode the batches published before the first subscription arrives are held
+  (bounded, counted) and sent once it has, instead of being lost
+  (:mod:`~kvevents.publishers.head_hold`).
+* Without a replay endpoint no replay ring is kept.
 * Optional CURVE security on both sockets (``curve_secret_key_file``, and
   ``curve_authorized_keys_dir`` to accept only listed clients); off by default.
 * A batch that fails to encode or send is lost (its seq consumed, counted, logged at a
@@ -61,6 +70,8 @@ This module is the façade: settings, ``publish()``, ``shutdown()`` and the coun
 The rooms behind it: :mod:`~kvevents.publishers.zmq_sockets` (opening and closing the
 sockets), :mod:`~kvevents.publishers.zmq_sender` (the sender thread),
 :mod:`~kvevents.publishers.replay_service` (the ROUTER replay service),
+:mod:`~kvevents.publishers.subscriptions`, :mod:`~kvevents.publishers.live_budget` and
+:mod:`~kvevents.publishers.head_hold` (who subscribed, the byte budget, the held head),
 :mod:`~kvevents.publishers.delivery` (what ZeroMQ confirmed written, for shutdown) and
 :mod:`~kvevents.publishers.publisher_stats` (the counters).  It imports those, the
 setting rules and :mod:`kvevents.endpoints`; never the config, registry or factory.
@@ -80,9 +91,12 @@ from kvevents.endpoints import is_bind_endpoint, offset_endpoint, validate_endpo
 from kvevents.errors import ConfigError, EncodeError, PublisherClosedError
 from kvevents.events import EventBatch
 from kvevents.publishers.delivery import DeliveryMarks
+from kvevents.publishers.head_hold import HeadHold
+from kvevents.publishers.live_budget import LiveBudget
 from kvevents.publishers.publisher_stats import REFUSAL_REASONS, PublisherStats, count_drop
 from kvevents.publishers.replay_service import ReplayService
 from kvevents.publishers.settings import validate_publisher_fields, validate_zmq_tuning
+from kvevents.publishers.subscriptions import SubscriptionCounter
 from kvevents.publishers.zmq_sender import SenderThread
 from kvevents.publishers.zmq_sockets import PublisherSockets
 from kvevents.ratelimit import RateLimitedLog
@@ -143,6 +157,18 @@ class ZmqEventPublisher:
     * ``warn_interval_s``: minimum seconds between two warnings of the same kind.
     * ``bind``: bind (True) or connect (False) the PUB socket; default ``None`` follows
       vLLM's rule (:func:`is_bind_endpoint`), under which ``tcp://127.0.0.1:P`` connects.
+    * ``live_max_client_bytes``: what one subscriber that stops reading can make the
+      publisher hold in its send queue (bytes, default 64 MiB);
+      ``live_max_bytes_in_flight``: the same over all subscribers (default 256 MiB).
+      The PUB socket's ``SNDHWM`` is derived from them and the observed batch size,
+      never above ``hwm`` (:class:`~kvevents.publishers.live_budget.LiveBudget`); a
+      subscriber at its budget misses batches (a seq gap it recovers by replay).
+      ``None`` for both: vLLM's behaviour, ``hwm`` messages per subscriber whatever
+      their size.
+    * ``hold_until_subscribed``: hold the batches published before the first
+      subscription arrives (up to ``live_max_client_bytes`` and ``hwm`` batches; more
+      are dropped as ``no_subscriber``) and send them once it has; default ``None``:
+      when the PUB socket connects (:mod:`~kvevents.publishers.head_hold`).
 
     Raises :class:`~kvevents.errors.ConfigError` for invalid values, unreadable CURVE
     keys, or a socket that cannot be bound or connected.
@@ -180,6 +206,9 @@ class ZmqEventPublisher:
         idle_poll_s: float = 0.01,
         warn_interval_s: float = 10.0,
         bind: bool | None = None,
+        live_max_client_bytes: int | None = 64 * _MiB,
+        live_max_bytes_in_flight: int | None = 256 * _MiB,
+        hold_until_subscribed: bool | None = None,
     ) -> None:
         validate_publisher_fields(
             endpoint=endpoint,
@@ -207,6 +236,14 @@ class ZmqEventPublisher:
                 "replay_sndhwm": replay_sndhwm,
                 "replay_max_message_bytes": replay_max_message_bytes,
                 "max_subscription_bytes": max_subscription_bytes,
+                **{
+                    name: value
+                    for name, value in (
+                        ("live_max_client_bytes", live_max_client_bytes),
+                        ("live_max_bytes_in_flight", live_max_bytes_in_flight),
+                    )
+                    if value is not None
+                },
             },
             seconds={
                 "shutdown_timeout_s": shutdown_timeout_s,
@@ -251,6 +288,16 @@ class ZmqEventPublisher:
         self._closed = False
         self._drop_log = RateLimitedLog(logger, warn_interval_s)
         self.binds = is_bind_endpoint(self.requested_endpoint) if bind is None else bind
+        if hold_until_subscribed is not None and not isinstance(hold_until_subscribed, bool):
+            raise ConfigError(
+                f"hold_until_subscribed must be a bool or None, got {hold_until_subscribed!r}"
+            )
+        self.hold_until_subscribed = (
+            not self.binds if hold_until_subscribed is None else hold_until_subscribed
+        )
+        budgeted = live_max_client_bytes is not None or live_max_bytes_in_flight is not None
+        self.live_max_client_bytes = live_max_client_bytes
+        self.live_max_bytes_in_flight = live_max_bytes_in_flight
         sockets = PublisherSockets(
             context=context,
             endpoint=self.requested_endpoint,
@@ -266,7 +313,9 @@ class ZmqEventPublisher:
         self.replay_endpoint: str | None = sockets.replay_endpoint
         topic_frame = topic.encode("utf-8")
         error_log = RateLimitedLog(logger, warn_interval_s)
-        buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # Without a replay socket nobody reads the ring: keep none.
+        ring = buffer_steps if sockets.router is not None else 0
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=ring)
         self._replay: ReplayService | None = None
         if sockets.router is not None:
             self._replay = ReplayService(
@@ -286,6 +335,21 @@ class ZmqEventPublisher:
                 request_log=RateLimitedLog(logger, warn_interval_s),
                 error_log=error_log,
             )
+        self.stats.live_hwm = hwm
+        budget = None
+        if budgeted:
+            unlimited = 1 << 62
+            budget = LiveBudget(
+                sockets.pub,
+                self.stats,
+                per_subscriber_bytes=live_max_client_bytes or unlimited,
+                total_bytes=live_max_bytes_in_flight or unlimited,
+                max_hwm=hwm,
+                envelope_bytes=len(topic_frame) + 8,
+            )
+        head = None
+        if self.hold_until_subscribed:
+            head = HeadHold(max_bytes=live_max_client_bytes or 64 * _MiB, max_batches=hwm)
         self._sender = SenderThread(
             sockets=sockets,
             batches=self._queue,
@@ -298,6 +362,9 @@ class ZmqEventPublisher:
             live_burst=live_burst,
             idle_poll_s=self.idle_poll_s,
             error_log=error_log,
+            subscriptions=SubscriptionCounter(sockets.pub, topic_frame),
+            budget=budget,
+            head=head,
         )
         self._thread = self._sender.thread
         self._sender.start()

@@ -25,8 +25,11 @@ from kvevents.codec import encode_batch, pack_seq
 from kvevents.errors import EncodeError
 from kvevents.events import EventBatch
 from kvevents.publishers.delivery import DeliveryMarks
+from kvevents.publishers.head_hold import HeadHold
+from kvevents.publishers.live_budget import LiveBudget
 from kvevents.publishers.publisher_stats import PublisherStats, count_drop
 from kvevents.publishers.replay_service import ReplayService
+from kvevents.publishers.subscriptions import SubscriptionCounter
 from kvevents.publishers.zmq_sockets import PublisherSockets
 from kvevents.ratelimit import RateLimitedLog
 
@@ -67,6 +70,9 @@ class SenderThread:
         live_burst: int,
         idle_poll_s: float,
         error_log: RateLimitedLog,
+        subscriptions: SubscriptionCounter,
+        budget: LiveBudget | None = None,
+        head: HeadHold | None = None,
     ) -> None:
         self.sockets = sockets
         self.batches = batches
@@ -79,6 +85,9 @@ class SenderThread:
         self.live_burst = live_burst
         self.idle_poll_s = idle_poll_s
         self.error_log = error_log
+        self.subscriptions = subscriptions
+        self.budget = budget
+        self.head = head
         self.closing = threading.Event()
         """Set by :meth:`request_stop`: flush, then stop."""
         self.deadline = 0.0
@@ -162,11 +171,27 @@ class SenderThread:
         closing = self.closing.is_set()
         if closing and time.monotonic() >= self._flush_deadline():
             return True
+        budget = self.budget
+        head = self.head
+        subscriptions = self.subscriptions
+        if subscriptions.read():
+            if budget is not None:
+                budget.set_subscribers(subscriptions.count)
+            if head is not None and not head.subscribed:
+                head.subscribed = True
+                self._release_head(head)
+        elif budget is not None:
+            budget.tick()
         replay = self.replay
         # Block for the next batch unless a replay can make progress right now; a
         # replay whose client is full is retried after at most idle_poll_s.
-        wait = (replay is None or not replay.pending or replay.stalled) and not closing
-        timeout = self.idle_poll_s if replay is not None else max(self.idle_poll_s, 0.1)
+        holding = head is not None and bool(head.held)
+        wait = (replay is None or not replay.pending or replay.stalled) and (not closing or holding)
+        timeout = (
+            self.idle_poll_s
+            if replay is not None or (head is not None and not head.subscribed)
+            else max(self.idle_poll_s, 0.1)
+        )
         batches = self.batches
         marks = self.marks
         track_every = marks.track_every
@@ -177,6 +202,8 @@ class SenderThread:
             except queue.Empty:
                 break
             if item is STOP:
+                if holding:
+                    break  # wait for the collector until the flush deadline
                 return True
             # While closing, ask ZeroMQ about the last batch (the queue holds at most
             # the stop sentinel after it) so shutdown knows when everything has left.
@@ -187,7 +214,15 @@ class SenderThread:
             replay.accept_requests()
             if replay.peers:
                 replay.serve()
+        if head is not None and head.held:
+            return False  # held until the collector subscribes or the budget ends
         return closing and sent == 0 and batches.empty()
+
+    def _release_head(self, head: HeadHold) -> None:
+        """Send the batches held until the first subscription, in seq order."""
+        held = head.release()
+        for i, (seq, payload, events) in enumerate(held):
+            self._send_payload(seq, payload, events, track=i == len(held) - 1)
 
     def _send_live(self, seq: int, batch: EventBatch, *, track: bool = False) -> None:
         try:
@@ -198,6 +233,25 @@ class SenderThread:
                 count_drop(self.stats, "encode_error", len(batch.events))
             self.error_log.warning("error", "dropped KV event batch seq %d: %s", seq, exc)
             return
+        head = self.head
+        if head is not None and not head.subscribed:
+            if head.hold(seq, payload, len(batch.events)):
+                self.stats.head_batches_held += 1
+            else:
+                with self.lock:
+                    count_drop(self.stats, "no_subscriber", len(batch.events))
+                self.error_log.warning(
+                    "drop",
+                    "no subscriber yet: dropped KV event batch seq %d (%d bytes held)",
+                    seq,
+                    head.held_bytes,
+                )
+            return
+        self._send_payload(seq, payload, len(batch.events), track=track)
+
+    def _send_payload(self, seq: int, payload: bytes, events: int, *, track: bool) -> None:
+        if self.budget is not None:
+            self.budget.observe(len(payload))
         pub = self.sockets.pub
         tracker = None
         try:
@@ -214,13 +268,14 @@ class SenderThread:
         except zmq.ZMQError as exc:
             self.stats.send_errors += 1
             with self.lock:
-                count_drop(self.stats, "send_error", len(batch.events))
+                count_drop(self.stats, "send_error", events)
             self.error_log.warning("error", "could not send KV event batch seq %d: %s", seq, exc)
             return
         stats = self.stats
         stats.batches_published += 1
-        stats.events_published += len(batch.events)
-        self.buffer.append((seq, payload))
+        stats.events_published += events
+        if self.buffer.maxlen:
+            self.buffer.append((seq, payload))
         self.marks.sent(seq, tracker)
 
     # --- stopping ----------------------------------------------------------------------
@@ -236,6 +291,10 @@ class SenderThread:
             if item is not STOP:
                 batches += 1
                 events += len(item[1].events)
+        if self.head is not None:
+            for _, _, held_events in self.head.release():
+                batches += 1
+                events += held_events
         if batches:
             with self.lock:
                 count_drop(self.stats, "shutdown", events, batches)

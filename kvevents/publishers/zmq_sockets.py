@@ -1,7 +1,8 @@
 """The ZeroMQ context and sockets of one ``ZmqEventPublisher``.
 
 One job: open the PUB socket (bound or connected, with its HWM, CURVE and a cap on
-subscription frames) and, when asked, the ROUTER replay socket (always bound,
+subscription frames; an XPUB, wire-compatible with a PUB, that hands every
+subscription and unsubscription to the sender) and, when asked, the ROUTER replay socket (always bound,
 ``ROUTER_MANDATORY``, with a disconnect monitor), resolve the addresses they got, and
 close them again.  Imports pyzmq, :mod:`kvevents.endpoints` and
 :mod:`kvevents.security`; nothing of ``publishers``.
@@ -75,8 +76,12 @@ class PublisherSockets:
         self._releases: list[Callable[[], None]] = []
         self.router: zmq.Socket[Any] | None = None
         self.monitor: zmq.Socket[Any] | None = None
-        self.pub: zmq.Socket[Any] = self.context.socket(zmq.PUB)
+        # An XPUB speaks PUB's protocol; with XPUB_VERBOSER it also delivers every
+        # subscription and unsubscription (including those of a peer that went away),
+        # which :mod:`~kvevents.publishers.subscriptions` counts.
+        self.pub: zmq.Socket[Any] = self.context.socket(zmq.XPUB)
         try:
+            self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
             self.pub.set_hwm(hwm_messages)
             # Subscribers only send subscriptions (a topic prefix): a bigger frame makes
             # ZeroMQ drop that peer before allocating it.
