@@ -2,13 +2,16 @@
 
 Rules, each over every module under ``kvevents/``:
 
-* **consumers**: a ``kvevents.consumers`` module imports only core modules and other
-  consumers modules (so never ``kvevents.publishers``), and never ``torch``, not even
-  inside a function;
-* **core**: a core module (``kvevents/__init__.py``, every ``kvevents/*.py`` at the top
-  level except the command line, and the packages in :data:`CORE_PACKAGES`) imports only
-  core modules (never ``kvevents.consumers`` nor ``kvevents.publishers``), and never
-  ``torch``;
+* **layers**: a module imports only the layers :data:`LAYER_ALLOWED` lists for its own,
+  inside a function too: the core (``kvevents/__init__.py``, every ``kvevents/*.py`` at
+  the top level except the command line, and the packages in :data:`CORE_PACKAGES`)
+  only the core; ``consumers`` the core; ``publishers`` the core; ``jetstream`` the core
+  and ``consumers``; ``sim`` the core and ``publishers`` (so never the service);
+  ``serve`` the core, ``consumers`` and ``jetstream`` (so never the simulator).  The
+  applications (:data:`APP_TOP`, and each package's command line, :data:`APP_MODULES`)
+  may import every layer, and no other layer imports them;
+* **torch**: the core and ``consumers`` never import ``torch``, not even inside a
+  function;
 * **private**: no module imports a ``_private`` name from another kvevents module
   (``from kvevents.x import _y``), nor reaches one through an imported module
   (``x._y``, ``kvevents.x._y``).  A private *module* (``kvevents/pkg/_part.py``) may be
@@ -48,14 +51,22 @@ APP_TOP = frozenset({"cli", "__main__", "demo"})
 """Top-level modules or packages of the applications: the command line, and the demo
 (which drives ``kvevents serve`` in front of the simulator, so it sits above both).
 They may import every layer."""
+APP_MODULES = frozenset({"cli", "commands"})
+"""Names of the modules that are a package's own command line (``kvevents.serve.cli``,
+``kvevents.serve.commands``, ``kvevents.jetstream.cli``): what the ``kvevents`` command
+runs, imported by nothing but the command line, so they belong to the applications."""
 SIDE_PACKAGES = frozenset({"consumers", "publishers", "jetstream", "serve", "sim"})
 """Top-level packages that are neither core nor command line."""
 
 LAYER_ALLOWED: dict[str, frozenset[str]] = {
     "core": frozenset({"core"}),
     "consumers": frozenset({"core", "consumers"}),
+    "publishers": frozenset({"core", "publishers"}),
+    "jetstream": frozenset({"core", "consumers", "jetstream"}),
+    "sim": frozenset({"core", "publishers", "sim"}),
+    "serve": frozenset({"core", "consumers", "jetstream", "serve"}),
 }
-"""The layers whose imports are restricted, and the layers each may import."""
+"""The layers each layer may import (``app`` may import every layer, so it is absent)."""
 NO_TORCH_LAYERS = frozenset({"core", "consumers"})
 """Layers that never import torch (the router installs without it)."""
 OPTIONAL_DEPS = frozenset({"torch", "starlette", "uvicorn", "httpx", "matplotlib", "nats"})
@@ -148,7 +159,7 @@ class Tree:
         if top in APP_TOP:
             return "app"
         if top in SIDE_PACKAGES:
-            return top
+            return "app" if len(parts) == 3 and parts[2] in APP_MODULES else top
         if top in CORE_PACKAGES:
             return "core"
         if len(parts) == 2 and not self.packages.get(mod, False):
@@ -436,6 +447,12 @@ FAKE_BASE = {
     "kvevents.consumers.index": "_Layout = 1\nLayout = 2\n",
     "kvevents.publishers/": "",
     "kvevents.publishers.config": "",
+    "kvevents.sim/": "",
+    "kvevents.sim.http": "",
+    "kvevents.serve/": "",
+    "kvevents.serve.app": "",
+    "kvevents.serve.cli": "",
+    "kvevents.demo/": "",
 }
 
 
@@ -454,6 +471,11 @@ FAKE_BASE = {
         ("kvevents.fake", "from kvevents import codec as c\nc._frame\n", "private: kvevents.fake reads kvevents.codec._frame"),
         ("kvevents.fake", "def f():\n    from kvevents import errors\n", "lazy: kvevents.fake imports kvevents.errors inside a function"),
         ("kvevents.fake", "import importlib\nimportlib.import_module('kvevents.codec')\n", "lazy: kvevents.fake imports kvevents.codec through importlib"),
+        ("kvevents.serve.fake", "from kvevents.sim.http import X\n", "layer: kvevents.serve.fake (serve) imports kvevents.sim.http (sim)"),
+        ("kvevents.sim.fake", "from kvevents.serve import app\n", "layer: kvevents.sim.fake (sim) imports kvevents.serve.app (serve)"),
+        ("kvevents.sim.fake", "from kvevents.demo import X\n", "layer: kvevents.sim.fake (sim) imports kvevents.demo (app)"),
+        ("kvevents.serve.fake", "from kvevents.serve import cli\n", "layer: kvevents.serve.fake (serve) imports kvevents.serve.cli (app)"),
+        ("kvevents.publishers.fake", "from kvevents.consumers import index\n", "layer: kvevents.publishers.fake (publishers) imports kvevents.consumers.index (consumers)"),
     ],
 )  # fmt: skip
 def test_a_planted_violation_is_found(module: str, source: str, expected: str) -> None:
@@ -471,6 +493,12 @@ def test_a_planted_violation_is_found(module: str, source: str, expected: str) -
         ("kvevents.consumers.fake", "from kvevents.codec import decode\n"),
         ("kvevents.cli", "import torch\nfrom kvevents.publishers import config\n"),
         ("kvevents.publishers.fake", "import torch\n"),
+        (
+            "kvevents.serve.commands",
+            "from kvevents.sim.http import X\nfrom kvevents.serve import app\n",
+        ),
+        ("kvevents.demo.fake", "from kvevents.sim.http import X\nfrom kvevents.serve import app\n"),
+        ("kvevents.sim.fake", "from kvevents.publishers import config\n"),
     ],
 )
 def test_what_is_allowed_passes(module: str, source: str) -> None:

@@ -20,11 +20,11 @@ from typing import Any
 from kvevents.capture import CaptureWriter
 from kvevents.demo.config import POLICIES, DemoConfig
 from kvevents.demo.results import DemoReport, PolicyResult
+from kvevents.demo.stack import LocalStack
 from kvevents.errors import ConfigError
 from kvevents.serve import require_serve_extra
 from kvevents.serve.config import ServeConfig
 from kvevents.serve.loadgen import run_loadgen
-from kvevents.serve.stack import LocalStack
 from kvevents.sim.engine import SimEngineConfig
 from kvevents.sim.http import SimHTTPConfig
 

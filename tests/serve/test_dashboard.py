@@ -26,9 +26,9 @@ webdriver = pytest.importorskip("selenium.webdriver")
 
 import httpx  # noqa: E402
 
+from kvevents.demo.stack import LocalStack  # noqa: E402
 from kvevents.serve import ServeConfig  # noqa: E402
 from kvevents.serve.loadgen import LoadgenConfig, run_loadgen  # noqa: E402
-from kvevents.serve.stack import LocalStack  # noqa: E402
 
 ARTIFACTS = Path(os.environ.get("KVEVENTS_TEST_ARTIFACTS", "test-artifacts"))
 

@@ -12,10 +12,10 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
 
+from kvevents.demo.stack import LocalStack
 from kvevents.errors import ConfigError
 from kvevents.serve import ServeConfig
 from kvevents.serve.loadgen import LoadgenConfig, format_loadgen, run_loadgen
-from kvevents.serve.stack import LocalStack
 
 
 def _ready(url: str) -> None:

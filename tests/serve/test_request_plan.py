@@ -13,8 +13,8 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
 
+from kvevents.demo.stack import LocalStack
 from kvevents.serve import ServeConfig
-from kvevents.serve.stack import LocalStack
 
 CHAT = [{"role": "user", "content": "hello there"}]
 

@@ -16,9 +16,9 @@ pytest.importorskip("uvicorn")
 import httpx
 from _ports import free_port_block
 
+from kvevents.demo.stack import LocalStack
 from kvevents.native import core_name
 from kvevents.serve import ServeConfig
-from kvevents.serve.stack import LocalStack
 from kvevents.sim.http import SimHTTPConfig
 
 SYSTEM = "You are a careful assistant who answers in short words. " * 6

@@ -13,7 +13,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
 
-from kvevents.serve.stack import LocalStack
+from kvevents.demo.stack import LocalStack
 from kvevents.serve.upstream import parse_engine_metrics
 from kvevents.sim.http import SimHTTPConfig
 from kvevents.tokenizer import SimTokenizer
