@@ -65,6 +65,8 @@ class PublisherStats:
       subscribers' queues can hold at most under it, bytes).
     * ``head_batches_held``: in connect mode, batches published before the collector's
       first subscription arrived and held until it did.
+    * ``replay_buffer_bytes``: payload bytes in the replay ring now (at most
+      ``replay_max_buffer_bytes``).
     """
 
     batches_published: int = 0
@@ -91,6 +93,7 @@ class PublisherStats:
     live_batch_bytes: int = 0
     live_pinned_bytes_bound: int = 0
     head_batches_held: int = 0
+    replay_buffer_bytes: int = 0
 
 
 def count_drop(stats: PublisherStats, reason: str, events: int, batches: int = 1) -> None:

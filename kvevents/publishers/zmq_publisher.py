@@ -56,7 +56,8 @@ Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
 * In connect mode the batches published before the first subscription arrives are held
   (bounded, counted) and sent once it has, instead of being lost
   (:mod:`~kvevents.publishers.head_hold`).
-* Without a replay endpoint no replay ring is kept.
+* The replay ring keeps at most ``replay_max_buffer_bytes`` of payload as well as
+  ``buffer_steps`` batches; without a replay endpoint none is kept.
 * Optional CURVE security on both sockets (``curve_secret_key_file``, and
   ``curve_authorized_keys_dir`` to accept only listed clients); off by default.
 * A batch that fails to encode or send is lost (its seq consumed, counted, logged at a
@@ -149,6 +150,8 @@ class ZmqEventPublisher:
       yet written to its connection; sending to that peer pauses above it.
     * ``replay_max_bytes_in_flight``: the same, summed over all peers.
     * ``replay_sndhwm``: the ROUTER's send high-water mark (messages per peer).
+    * ``replay_max_buffer_bytes``: payload bytes the replay ring keeps at most (its
+      oldest batches go first; one batch at least); ``buffer_steps`` bounds it in batches.
     * ``replay_max_message_bytes``: ``ZMQ_MAXMSGSIZE`` of the ROUTER (bytes per frame).
     * ``max_subscription_bytes``: ``ZMQ_MAXMSGSIZE`` of the PUB socket, which receives
       only subscriptions; a peer sending a bigger frame is dropped by ZeroMQ.
@@ -201,6 +204,7 @@ class ZmqEventPublisher:
         replay_max_client_bytes: int = 8 * _MiB,
         replay_max_bytes_in_flight: int = 64 * _MiB,
         replay_sndhwm: int = 1024,
+        replay_max_buffer_bytes: int = 256 * _MiB,
         replay_max_message_bytes: int = 4096,
         max_subscription_bytes: int = 4096,
         idle_poll_s: float = 0.01,
@@ -234,6 +238,7 @@ class ZmqEventPublisher:
                 "replay_max_client_bytes": replay_max_client_bytes,
                 "replay_max_bytes_in_flight": replay_max_bytes_in_flight,
                 "replay_sndhwm": replay_sndhwm,
+                "replay_max_buffer_bytes": replay_max_buffer_bytes,
                 "replay_max_message_bytes": replay_max_message_bytes,
                 "max_subscription_bytes": max_subscription_bytes,
                 **{
@@ -272,6 +277,7 @@ class ZmqEventPublisher:
         self.replay_max_client_bytes = replay_max_client_bytes
         self.replay_max_bytes_in_flight = replay_max_bytes_in_flight
         self.replay_sndhwm = replay_sndhwm
+        self.replay_max_buffer_bytes = replay_max_buffer_bytes
         self.replay_max_message_bytes = replay_max_message_bytes
         self.max_subscription_bytes = max_subscription_bytes
         self.idle_poll_s = float(idle_poll_s)
@@ -365,6 +371,7 @@ class ZmqEventPublisher:
             subscriptions=SubscriptionCounter(sockets.pub, topic_frame),
             budget=budget,
             head=head,
+            ring_max_bytes=replay_max_buffer_bytes,
         )
         self._thread = self._sender.thread
         self._sender.start()

@@ -73,6 +73,7 @@ class SenderThread:
         subscriptions: SubscriptionCounter,
         budget: LiveBudget | None = None,
         head: HeadHold | None = None,
+        ring_max_bytes: int = 1 << 62,
     ) -> None:
         self.sockets = sockets
         self.batches = batches
@@ -86,6 +87,9 @@ class SenderThread:
         self.idle_poll_s = idle_poll_s
         self.error_log = error_log
         self.subscriptions = subscriptions
+        self.ring_max_bytes = ring_max_bytes
+        self.ring_bytes = 0
+        """Payload bytes in the replay ring."""
         self.budget = budget
         self.head = head
         self.closing = threading.Event()
@@ -275,8 +279,21 @@ class SenderThread:
         stats.batches_published += 1
         stats.events_published += events
         if self.buffer.maxlen:
-            self.buffer.append((seq, payload))
+            self._remember(seq, payload)
         self.marks.sent(seq, tracker)
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        """Append to the replay ring; keep it within ``ring_max_bytes`` (one batch at least)."""
+        buffer = self.buffer
+        ring_bytes = self.ring_bytes
+        if len(buffer) == buffer.maxlen:
+            ring_bytes -= len(buffer[0][1])  # the append below evicts it
+        buffer.append((seq, payload))
+        ring_bytes += len(payload)
+        while ring_bytes > self.ring_max_bytes and len(buffer) > 1:
+            ring_bytes -= len(buffer.popleft()[1])
+        self.ring_bytes = ring_bytes
+        self.stats.replay_buffer_bytes = ring_bytes
 
     # --- stopping ----------------------------------------------------------------------
 
