@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "assemble.hpp"
 #include "keys.hpp"
 #include "walk.hpp"
 #include "wire.hpp"
@@ -265,6 +266,23 @@ NB_MODULE(_core, m) {
       nb::arg("starts"), nb::arg("aligned"), nb::arg("end"), nb::arg("pos_bits"),
       nb::arg("nxt") = nb::tuple(),
       "The router's prefix walk (kvevents.consumers.router.walk.walk), compiled.");
+  m.def(
+      "assembler",
+      [](nb::object match_type) {
+        return nb::cpp_function(
+            [match_type](nb::handle lay, nb::handle gpu_end, nb::handle cpu_end,
+                         nb::handle storage_end, nb::handle hit) {
+              PyObject* r = kvn::assemble(match_type.ptr(), lay.ptr(), gpu_end.ptr(),
+                                          cpu_end.ptr(), storage_end.ptr(), hit.ptr());
+              if (!r) throw nb::python_error();
+              return nb::steal(r);
+            },
+            nb::arg("lay"), nb::arg("gpu_end"), nb::arg("cpu_end").none(), nb::arg("storage_end").none(),
+            nb::arg("hit") = -1);
+      },
+      nb::arg("match_type"),
+      "The router's assembly of matches (kvevents.consumers.router.walk.assemble), "
+      "compiled, building ``match_type`` tuples.");
   m.def("chain_units", &chain_units, nb::arg("parent"), nb::arg("tokens"), nb::arg("unit"),
         "The key of the last whole unit of ``tokens`` chained on ``parent``.");
 }

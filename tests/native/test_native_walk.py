@@ -1,7 +1,8 @@
-"""The compiled prefix walk answers exactly as the Python walk: random walks of every
-argument shape (late joins, credit rules, one or several next-tier chunk classes,
-bitsets wider than a machine word), and whole routers over random indexes, compared
-answer for answer.  Skipped without ``kvevents-native``."""
+"""The compiled prefix walk and assembly answer exactly as the Python ones: random walks
+of every argument shape (late joins, credit rules, one or several next-tier chunk
+classes, bitsets wider than a machine word), random per-slot ends (sparse and dense
+paths, workers with several slots, positions without a worker), and whole routers over
+random indexes, compared answer for answer.  Skipped without ``kvevents-native``."""
 
 from __future__ import annotations
 
@@ -83,9 +84,13 @@ def test_routers_answer_alike_with_either_walk(every: int, monkeypatch: pytest.M
     prompt = [rng.randrange(50_000) for _ in range(2048)]
     router = Router(populate(150, prompt, rng, every))
     prompts = [prompt, prompt[:1000], prompt[:17], [rng.randrange(50_000) for _ in range(512)]]
+    from kvevents.consumers.router.match import Match
+
     monkeypatch.setattr(walk_module, "walk", kn.walk)
+    monkeypatch.setattr(walk_module, "assemble", kn.assembler(Match))
     native = [(router.find_matches(p), router.score(p)) for p in prompts]
     monkeypatch.setattr(walk_module, "walk", python_walk)
+    monkeypatch.setattr(walk_module, "assemble", walk_module.python_assemble)
     python = [(router.find_matches(p), router.score(p)) for p in prompts]
     assert native == python
     assert any(m for m, _ in native)
@@ -96,3 +101,55 @@ def test_errors_surface_as_python_errors() -> None:
         kn.walk([1], {1: 0b100}.get, 1, 1, 0b100, {}, 0, [0, 0], [0, 1, 2, 4], ())
     with pytest.raises(TypeError):
         kn.walk([1], None, 1, 1, 1, {}, 0, [0, 0], [0, 1], ())
+
+
+@st.composite
+def ends_args(draw: st.DrawFn) -> dict[str, Any]:
+    nslots = draw(st.sampled_from([1, 5, 16, 64, 65, 200]))
+    ends = st.lists(st.integers(0, 4096), min_size=nslots + 1, max_size=nslots + 1)
+    gpu = draw(ends)
+    cpu = draw(st.one_of(st.none(), ends))
+    storage = draw(st.one_of(st.none(), ends))
+    # ends grow tier by tier, as the walk leaves them
+    if cpu is not None:
+        cpu = [g + c for g, c in zip(gpu, cpu)]
+    if storage is not None:
+        base = cpu if cpu is not None else gpu
+        storage = [b + s for b, s in zip(base, storage)]
+    for lst in (gpu, cpu, storage):
+        if lst is not None:
+            lst[0] = 0
+    wids: list[Any] = [None] + [
+        draw(st.sampled_from([None, ("w", i), ("w", i // 2)])) for i in range(nslots)
+    ]
+    last = storage if storage is not None else cpu if cpu is not None else gpu
+    exact = sum(1 << (p - 1) for p in range(1, nslots + 1) if last[p])
+    hit = draw(st.sampled_from([-1, exact, exact | draw(st.integers(0, (1 << nslots) - 1))]))
+    return {"nslots": nslots, "pos_wids": wids, "ends": (gpu, cpu, storage), "hit": hit}
+
+
+@settings(max_examples=800, deadline=None)
+@given(ends_args())
+def test_random_assemblies_answer_alike(a: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    from kvevents.consumers.router.match import Match
+    from kvevents.consumers.router.walk import python_assemble
+
+    lay = SimpleNamespace(nslots=a["nslots"], pos_wids=a["pos_wids"],
+                          pos_bits=[0] + [1 << s for s in range(a["nslots"])])  # fmt: skip
+    native = kn.assembler(Match)(lay, *a["ends"], a["hit"])
+    python = python_assemble(lay, *a["ends"], a["hit"])  # type: ignore[arg-type]
+    assert native == python
+    assert list(native) == list(python)  # the same order
+    assert all(type(m) is Match for m in native.values())
+
+
+def test_assembly_out_of_range_is_an_index_error() -> None:
+    from types import SimpleNamespace
+
+    from kvevents.consumers.router.match import Match
+
+    lay = SimpleNamespace(nslots=64, pos_wids=[None, "a"])
+    with pytest.raises(IndexError):
+        kn.assembler(Match)(lay, [0, 16], None, None, 1 << 40)

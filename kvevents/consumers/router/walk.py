@@ -34,6 +34,7 @@ __all__ = [
     "SlotEnds",
     "assemble",
     "full_prefix",
+    "python_assemble",
     "python_walk",
     "simple_ends",
     "simple_matches",
@@ -158,8 +159,6 @@ def walk(
 
 python_walk = walk
 """The walk above, which the compiled core's walk is tested against (tests/native)."""
-if NATIVE is not None:
-    walk = NATIVE.walk  # the same walk, compiled
 
 
 SlotEnds = tuple[list[int], list[int] | None, list[int] | None, int]
@@ -319,3 +318,10 @@ def assemble(
         # positions without a simple worker (None) have all-zero ends and are dropped
         out = dict(compress(zip(lay.pos_wids, matches), last))  # type: ignore[arg-type]
     return out
+
+
+python_assemble = assemble
+"""The assembly above, which the compiled core's is tested against (tests/native)."""
+if NATIVE is not None:  # the same walk and assembly, compiled
+    walk = NATIVE.walk
+    assemble = NATIVE.assembler(Match)

@@ -5,16 +5,26 @@ kvevents imports it when it is installed (``pip install ./native``) and
 :func:`parse_batch`, a bounded reader of vLLM's KV-event msgpack wire that builds no
 Python object per event, and the content-key kernels :func:`prompt_keys` and
 :func:`chain_units` (the xxh3-64 chain of :mod:`kvevents.consumers.content`), and
-:func:`walk`, the router's prefix walk (:func:`kvevents.consumers.router.walk.walk`).
+:func:`walk` and :func:`assembler`, the router's prefix walk and the assembly of its
+answer (:mod:`kvevents.consumers.router.walk`).
 """
 
 from kvevents_native._core import (
     ParsedBatch,
     __version__,
+    assembler,
     chain_units,
     parse_batch,
     prompt_keys,
     walk,
 )
 
-__all__ = ["ParsedBatch", "__version__", "chain_units", "parse_batch", "prompt_keys", "walk"]
+__all__ = [
+    "ParsedBatch",
+    "__version__",
+    "assembler",
+    "chain_units",
+    "parse_batch",
+    "prompt_keys",
+    "walk",
+]
