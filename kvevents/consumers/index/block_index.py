@@ -52,7 +52,7 @@ package; none imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvevents.consumers.index.apply import Feeder
@@ -63,7 +63,7 @@ from kvevents.consumers.index.queries import block_info, held_content_keys, summ
 from kvevents.consumers.index.records import Hash
 from kvevents.consumers.index.snapshot import restore_index, snapshot_index
 from kvevents.consumers.index.stats import BlockInfo, IndexStats, WorkerSummary
-from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerState, bpc_lookup
+from kvevents.consumers.index.workers import WorkerId, WorkerState, bpc_lookup
 from kvevents.errors import ConfigError
 from kvevents.events import KVEvent, KVEventBatch
 
@@ -287,7 +287,7 @@ class BlockIndex:
     # ------------------------------------------------------------------ for tests
 
     # The property tests check the rooms' tables against a recount; these read-only
-    # views (and the writable refcount hook) keep them independent of the room layout.
+    # views keep them independent of the room layout.
 
     @property
     def _workers(self) -> dict[WorkerId, WorkerState]:
@@ -316,12 +316,3 @@ class BlockIndex:
     @property
     def _marks(self) -> tuple[dict[int, int], ...]:
         return self._feed.marks
-
-    @property
-    def _ref(self) -> Callable[[WorkerState, GroupState, int, Hash, int | None], None]:
-        """The refcount step the general feeding path calls (a test may wrap it)."""
-        return self._feed.ref
-
-    @_ref.setter
-    def _ref(self, fn: Callable[[WorkerState, GroupState, int, Hash, int | None], None]) -> None:
-        self._feed.ref = fn  # type: ignore[method-assign,assignment]

@@ -2,7 +2,11 @@
 
 One job: the refcount rules every store, removal and clear goes through.  A (worker,
 group, hash) entry is *resident* while any tier holds it (GPU: the refcount in its
-record, :func:`.records.gpu_refs`; CPU/STORAGE: ``GroupState.refs``).
+record, ``BlockRecord.gpu``; CPU/STORAGE: ``GroupState.refs``).  References are counted,
+not flags: vLLM's ``BlockPool.cache_full_blocks`` publishes a ``BlockStored`` for every
+block it caches and ``BlockPool._maybe_evict_cached_block`` a ``BlockRemoved`` for every
+block it evicts, and two engine blocks may carry one hash (and one content key), so a
+store seen twice needs two removals.
 
 * :meth:`RefRules.ref`: the first reference on a tier marks the content key in that
   tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
@@ -27,14 +31,7 @@ from typing import Any
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.join import PendingTable, Retention
 from kvevents.consumers.index.marks import TierMarks, mark, unmark
-from kvevents.consumers.index.records import (
-    Hash,
-    Record,
-    add_gpu,
-    content_key,
-    counted_parent,
-    gpu_refs,
-)
+from kvevents.consumers.index.records import BlockRecord, Hash
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import (
     GPU,
@@ -121,7 +118,7 @@ class RefRules:
         h: Hash,
         ck: int | None,
         free_link: bool = False,
-    ) -> None:
+    ) -> bool:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
         The first reference on a tier marks ``ck`` in that tier's marks; the first on any
@@ -130,48 +127,59 @@ class RefRules:
         record, there is nothing to count.  ``tier < 0`` (metadata only) counts nothing.
         ``free_link``: a GPU store's new block whose link to its parent is free (its
         record carries the flag, see :mod:`.eviction`): not counted as a child.
+
+        Returns :meth:`became_resident`'s answer, or False when the entry was resident
+        already.
         """
         if tier < 0:
-            return
+            return False
         if tier == GPU:
             m = gs.meta.get(h)
             if m is None:
                 # the memory cap dropped this entry whole while it was being applied
                 # (e.g. while joining its pending CPU stores); nothing left to count
-                return
-            gs.meta[h] = add_gpu(m, 1)
-            if gpu_refs(m):
-                return  # not the first GPU reference
+                return False
+            m.gpu += 1
+            if m.gpu > 1:
+                return False  # not the first GPU reference
         else:
             refs = gs.refs[tier]
             count = refs.get(h, 0)
             refs[h] = count + 1
             if count:
-                return  # not the first reference on this tier
+                return False  # not the first reference on this tier
         if ck is not None:
             mark(self.marks[tier], ck, gs.bit)
-        if not gs.held_elsewhere(h, tier):
-            self.became_resident(w, gs, tier, h, free_link)
+        if gs.held_elsewhere(h, tier):
+            return False
+        return self.became_resident(w, gs, tier, h, free_link)
 
     def became_resident(
         self, w: WorkerState, gs: GroupState, tier: int, h: Hash, free_link: bool = False
-    ) -> None:
+    ) -> bool:
         """``h`` became resident (its first reference on any tier): one more resident
         entry, no longer a retained record, and (while the memory cap keeps its
         bookkeeping) a child of its parent (unless its link is free) with a place in
-        the eviction queue (a GPU store queues its blocks itself, at its end)."""
+        the eviction queue (a GPU store queues its blocks itself, at its end).
+
+        Returns whether, while the bookkeeping runs, ``h`` has no earlier place in the
+        eviction queue (not :attr:`Eviction.forgotten`): the next block of its GPU store
+        may then link to it freely."""
         cap = self.cap
         cap.resident += 1
         if self.retention.records:
             self.retention.forget(w.wid, gs.group, h)
+        fresh = False
         if cap.tracking:
             m = gs.meta.get(h)
             if tier != GPU:
                 cap.enter(gs, h, m)
             elif not free_link:
                 cap.add_child(gs, h, m)
+            fresh = h not in cap.forgotten
         if cap.resident > cap.watch:
             cap.watch_hit()
+        return fresh
 
     # ------------------------------------------------------------------ out
 
@@ -189,11 +197,11 @@ class RefRules:
                 continue
             m = gs.meta.get(h)
             if tier == GPU:
-                count = 0 if m is None else gpu_refs(m)
+                count = 0 if m is None else m.gpu
                 if not count or m is None:
                     self.remove_unknown(w, gs, group, h, tier)
                     continue
-                gs.meta[h] = add_gpu(m, -1)
+                m.gpu -= 1
             else:
                 refs = gs.refs[tier]
                 count = refs.get(h, 0)
@@ -207,14 +215,14 @@ class RefRules:
             self.stats.removed[TIERS[tier]] += 1
             if count > 1:
                 continue  # not the last reference on this tier
-            ck = content_key(m) if m is not None else None
+            ck = m.key if m is not None else None
             if ck is not None:
                 unmark(self.marks[tier], ck, gs.bit)
             if not gs.held_elsewhere(h, tier):
                 self.stopped_being_resident(w, gs, h, m)
 
     def stopped_being_resident(
-        self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None
+        self, w: WorkerState, gs: GroupState, h: Hash, m: BlockRecord | None
     ) -> None:
         """``h`` (record ``m``) lost its last reference on any tier: one resident entry
         fewer, one resident child fewer for its parent, and its record retained (bounded)
@@ -228,7 +236,7 @@ class RefRules:
             cap.forget((h,))
             return
         if gs.kids:  # (the memory cap's bookkeeping runs)
-            parent = counted_parent(m)
+            parent = m.counted_parent
             if parent is not None:
                 cap.unkid(gs, parent)
         self.retention.retire(w.wid, gs, h)
@@ -260,19 +268,19 @@ class RefRules:
             meta = gs.meta
             held: set[Hash] = set()
             for h, m in meta.items():
-                if gpu_refs(m):
+                if m.gpu:
                     held.add(h)
-                    ck = content_key(m)
+                    ck = m.key
                     if ck is not None:
                         unmark(gpu_marks, ck, bit)
             for h in held:
-                meta[h] = add_gpu(meta[h], -gpu_refs(meta[h]))
+                meta[h].gpu = 0
             for tier in (1, 2):
                 refs = gs.refs[tier]
                 marks = self.marks[tier]
                 for h in refs:
                     tm = gs.meta.get(h)
-                    ck = content_key(tm) if tm is not None else None
+                    ck = tm.key if tm is not None else None
                     if ck is not None:
                         unmark(marks, ck, bit)
                 held.update(refs)
@@ -289,13 +297,13 @@ class RefRules:
                 gs.meta.clear()
         self.pending.drop_worker(wid)
 
-    def rekey(self, gs: GroupState, h: Hash, old: Record, new: Record) -> None:
+    def rekey(self, gs: GroupState, h: Hash, old: BlockRecord, new: BlockRecord) -> None:
         """``h``'s record changes from ``old`` to ``new`` (an orphan healed, a partial
         tail unkeyed): move its marks on every tier holding it, and its parent link."""
         self.cap.reparent(gs, h, old, new)
-        old_ck, new_ck = content_key(old), content_key(new)
+        old_ck, new_ck = old.key, new.key
         for tier in range(3):
-            if (gpu_refs(old) > 0) if tier == 0 else (h in gs.refs[tier]):
+            if (old.gpu > 0) if tier == 0 else (h in gs.refs[tier]):
                 marks = self.marks[tier]
                 if old_ck is not None:
                     unmark(marks, old_ck, gs.bit)
