@@ -20,9 +20,9 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
 
+from kvevents.demo.stack import LocalStack
 from kvevents.serve import ServeConfig
 from kvevents.serve.burstgen import BurstConfig, run_bursts
-from kvevents.serve.stack import LocalStack
 from kvevents.sim.http import SimHTTPConfig
 
 from .test_service import ready, wait_until
