@@ -13,7 +13,9 @@ prefill), ``kvevents serve`` in front of them, and the burst load generator
 Reported per configuration: recomputed prompt tokens per burst (Σ prompt − cached, as
 the engines reported) and the time to first token; the ratios on / off are the results.
 ``--weights 0.25,0.5,1`` also runs one service at each weight (how the default was
-chosen).  ``--quick`` sends fewer, shorter bursts.
+chosen).  Last, a flood of unique prompts into a pending overlay with a 16 MiB bound: the
+memory its tables take (traced by ``tracemalloc``) against the bound.  ``--quick`` sends
+fewer, shorter bursts and a smaller flood.
 """
 
 from __future__ import annotations
@@ -90,6 +92,33 @@ def _run(urls: list[str], cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     return asyncio.run(run_bursts(bc)).to_json()
 
 
+def flood(prompts: int, keys: int, bound: int) -> tuple[float, float, int]:
+    """Reserve ``prompts`` unique prompts of ``keys`` content keys each into an overlay
+    bounded to ``bound`` bytes; (traced peak bytes, estimated bytes at the end,
+    reservations evicted for the bound)."""
+    import random
+    import tracemalloc
+
+    from kvevents.consumers import PendingOverlay
+
+    rng = random.Random(1)
+    ov = PendingOverlay(max_bytes=bound, max_entries=1 << 30)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        peak = 0
+        for i in range(prompts):
+            ks = [rng.getrandbits(64) for _ in range(keys)]
+            ov.reserve((f"engine-{i % 16}", 0), ks)
+            del ks
+            if i % 256 == 255:
+                peak = max(peak, tracemalloc.get_traced_memory()[0] - base)
+        peak = max(peak, tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    return float(peak), float(ov.nbytes), ov.stats.evicted_for_bound
+
+
 def main() -> None:
     from _common import arg_parser, report, result
 
@@ -100,50 +129,46 @@ def main() -> None:
     cfg: dict[str, Any] = {
         "burst": 8,
         "bursts": 3 if args.quick else 12,
-        "context_words": (600, 900) if args.quick else (1500, 3000),
+        "context_words": (600, 900) if args.quick else (2000, 6000),
         "max_tokens": 8,
     }
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "kvevents", "sim", "serve", "--engines", str(ENGINES),
-         "--prefill-us-per-token", str(args.prefill_us)],
-        env=_env(), stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    procs: list[subprocess.Popen[Any]] = [sim]
     rows: list[tuple[str, dict[str, Any]]] = []
-    try:
-        assert sim.stdout is not None
-        engines = [sim.stdout.readline().split(" ", 1)[1].strip() for _ in range(ENGINES)]
-        seed = 100
-        weights = [0.0, DEFAULT_PENDING_WEIGHT] + [
-            float(w) for w in args.weights.split(",") if w and float(w) != DEFAULT_PENDING_WEIGHT
-        ]
-        for w in weights:
-            svc, url = _serve(engines, w)
-            try:
-                _wait_ready(url)
-                seed += 1
-                rows.append((f"one service, weight {w:g}", _run([url], cfg, seed)))
-            finally:
-                _stop([svc])
-        from kvevents.jetstream import LocalNatsServer
+    weights = [0.0, DEFAULT_PENDING_WEIGHT] + [
+        float(w) for w in args.weights.split(",") if w and float(w) != DEFAULT_PENDING_WEIGHT
+    ]
+    plan = [(f"one service, weight {w:g}", w, 1) for w in weights] + [
+        (f"two replicas, weight {w:g}", w, 2) for w in (0.0, DEFAULT_PENDING_WEIGHT)
+    ]
+    from kvevents.jetstream import LocalNatsServer
 
-        nats = LocalNatsServer().start()
-        try:
-            for w in (0.0, DEFAULT_PENDING_WEIGHT):
-                pair = [_serve(engines, w, nats.url, f"replica-{i}") for i in range(2)]
-                try:
-                    for _, url in pair:
-                        _wait_ready(url)
+    nats = LocalNatsServer().start()
+    try:
+        for name, w, replicas in plan:
+            # fresh engines for each configuration: every one gets the same prompts
+            sim = subprocess.Popen(
+                [sys.executable, "-m", "kvevents", "sim", "serve", "--engines", str(ENGINES),
+                 "--prefill-us-per-token", str(args.prefill_us)],
+                env=_env(), stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            procs: list[subprocess.Popen[Any]] = [sim]
+            try:
+                assert sim.stdout is not None
+                engines = [sim.stdout.readline().split(" ", 1)[1].strip() for _ in range(ENGINES)]
+                urls = []
+                for i in range(replicas):
+                    svc, url = _serve(engines, w, nats.url if replicas > 1 else None, f"r{i}")
+                    procs.append(svc)
+                    urls.append(url)
+                for url in urls:
+                    _wait_ready(url)
+                if replicas > 1:
                     time.sleep(0.5)  # the replicas' exchange connects in the background
-                    seed += 1
-                    got = _run([u for _, u in pair], cfg, seed)
-                    rows.append((f"two replicas, weight {w:g}", got))
-                finally:
-                    _stop([p for p, _ in pair])
-        finally:
-            nats.close()
+                rows.append((name, _run(urls, cfg, 101)))
+            finally:
+                _stop(procs[1:])  # the services first: then the engines
+                _stop(procs[:1])
     finally:
-        _stop(procs)
+        nats.close()
     print(f"{'configuration':28} {'recomputed/burst':>17} {'prompt/burst':>13} "
           f"{'engines/burst':>14} {'TTFT burst mean':>16}")  # fmt: skip
     for name, j in rows:
@@ -177,6 +202,17 @@ def main() -> None:
                        j["recomputed_per_burst"], "tokens",
                        by["one service, weight 0"]["recomputed_per_burst"])
             )  # fmt: skip
+    n_flood = 5_000 if args.quick else 50_000
+    bound = 16 << 20
+    peak, est, evicted = flood(n_flood, 256, bound)
+    print(
+        f"flood: {n_flood} unique 4k-token prompts into a {bound >> 20} MiB overlay: traced peak "
+        f"{peak / (1 << 20):.1f} MiB, estimate {est / (1 << 20):.1f} MiB, {evicted} evicted"
+    )
+    results.append(
+        result(f"pending overlay memory, flood of {n_flood} unique 4k-token prompts, vs its bound",
+               peak / (1 << 20), "MiB", bound / (1 << 20))
+    )  # fmt: skip
     report("bursts", results)
 
 
