@@ -139,3 +139,15 @@ def test_mutated_golden_payloads_agree_with_decode_or_raise_decode_error() -> No
             assert got == want
         outcomes["ok" if got is not DecodeError else "DecodeError"] += 1
     assert outcomes["ok"] > 40 and outcomes["DecodeError"] > 200, outcomes
+
+
+def test_the_raw_token_store_is_derived_from_block_stored() -> None:
+    """Same tag, fields, order and defaults as ``BlockStored`` but for ``token_ids``: a
+    field vLLM adds to ``BlockStored`` cannot be missed here."""
+    raw = {f.name: f for f in msgspec.structs.fields(RawTokensBlockStored)}
+    plain = {f.name: f for f in msgspec.structs.fields(BlockStored)}
+    assert list(raw) == list(plain)
+    assert RawTokensBlockStored.__struct_config__.tag == BlockStored.__struct_config__.tag
+    for name, f in plain.items():
+        assert raw[name].default == f.default, name
+        assert raw[name].type == (msgspec.Raw if name == "token_ids" else f.type), name

@@ -8,7 +8,7 @@ the errors, the encoder and the decode guards.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
@@ -20,8 +20,6 @@ from kvevents.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    ExternalBlockHash,
-    KVCacheEvent,
 )
 
 __all__ = ["RawTokensBatch", "RawTokensBlockStored", "RawTokensEvent"]
@@ -29,31 +27,18 @@ __all__ = ["RawTokensBatch", "RawTokensBlockStored", "RawTokensEvent"]
 _TOKEN_LIST = msgspec.msgpack.Decoder(list[int])
 
 
-class RawTokensBlockStored(KVCacheEvent, tag="BlockStored"):
+class RawTokensBlockStored(BlockStored, tag="BlockStored"):
     """A :class:`~kvevents.events.BlockStored` whose ``token_ids`` stay undecoded.
 
-    Same tag, fields, order and defaults as ``BlockStored``; ``token_ids`` is the
-    payload's own msgpack array as a :class:`msgspec.Raw` (a zero-copy view of the
-    payload).  Encoding it writes the same bytes back.  The token ids are *not*
-    validated while decoding: :meth:`token_list` validates them (raising
-    :class:`~kvevents.errors.DecodeError`), and :meth:`to_stored` builds the plain event.
+    Derived from ``BlockStored``: the same tag, fields, order and defaults, but
+    ``token_ids`` is the payload's own msgpack array as a :class:`msgspec.Raw` (a
+    zero-copy view of the payload).  Encoding it writes the same bytes back.  The token
+    ids are *not* validated while decoding: :meth:`token_list` validates them (raising
+    :class:`~kvevents.errors.DecodeError`), and :meth:`to_stored` builds the plain event,
+    which is what code that reads ``token_ids`` as ints must be given.
     """
 
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    token_ids: msgspec.Raw  # type: ignore[assignment]
 
     def token_list(self) -> list[int]:
         """The token ids as ints; raises :class:`DecodeError` if they are not an int array."""
