@@ -24,7 +24,6 @@ from kvevents.publishers.offload.base import OffloadKey, ReqContext
 from kvevents.publishers.offload.policies.base import (
     CachePolicy,
     ChunkStatus,
-    order_request_keys,
 )
 
 __all__ = ["ARCCachePolicy"]
@@ -99,26 +98,22 @@ class ARCCachePolicy(CachePolicy):
             if key not in self.t1 and key not in self.t2:
                 self._adapt(key)
 
-    def on_request_finished(
-        self,
-        key_groups: Sequence[Sequence[OffloadKey]],
-        insertion_only: set[OffloadKey],
-        reused: set[OffloadKey],
-        ctx: ReqContext,
+    def on_key_finished(
+        self, key: OffloadKey, reused: bool, insertion_only: bool, ctx: ReqContext
     ) -> None:
-        # One tail-to-head walk over all of the request's keys, across its groups.
-        for key in reversed(order_request_keys(key_groups, ctx)):
-            if key in reused:
-                chunk = self.t1.pop(key, None)
-                if chunk is not None:
-                    self.t2[key] = chunk
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
-            elif key in insertion_only:
-                if key in self.t1:
-                    self.t1.move_to_end(key)
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
+        """A reused key is promoted to T2 (or refreshed there); a key the request only
+        stored is refreshed where it is."""
+        if reused:
+            chunk = self.t1.pop(key, None)
+            if chunk is not None:
+                self.t2[key] = chunk
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+        elif insertion_only:
+            if key in self.t1:
+                self.t1.move_to_end(key)
+            elif key in self.t2:
+                self.t2.move_to_end(key)
 
     # --- eviction ----------------------------------------------------------------------
 

@@ -136,10 +136,19 @@ class CachePolicy(ABC):
         """A request finished; ``key_groups`` are its keys per KV group, head to tail.
 
         ``insertion_only`` are keys it stored and never loaded, ``reused`` keys it
-        loaded.  Default: touch each group, so the request's head ends most recent.
+        loaded.  Every policy walks the request's keys the same way: across its groups in
+        one head-to-tail order (:func:`order_request_keys`), tail first, each key handed
+        to :meth:`on_key_finished`, so the request's head is handled last.
         """
-        for group in reversed(key_groups):
-            self.touch(group, ctx)
+        for key in reversed(order_request_keys(key_groups, ctx)):
+            self.on_key_finished(key, key in reused, key in insertion_only, ctx)
+
+    def on_key_finished(
+        self, key: OffloadKey, reused: bool, insertion_only: bool, ctx: ReqContext
+    ) -> None:
+        """One key of a finished request (see :meth:`on_request_finished`).  Default:
+        :meth:`touch` it, so the request's head ends most recent."""
+        self.touch((key,), ctx)
 
     # --- eviction -----------------------------------------------------------------------
 

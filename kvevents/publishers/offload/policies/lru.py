@@ -14,8 +14,8 @@ evicted first.
 * :meth:`on_request_access` takes the request's rank (drawing it on first use, even if
   no key is then raised) and raises each held key with a position to
   ``(request_rank, -position)`` if that is higher.
-* :meth:`on_request_finished` re-touches all of the request's keys in one tail-to-head
-  order across its KV groups (by position), so its head ends most recent.
+* A finished request's keys are touched one by one tail to head across its KV groups
+  (:meth:`CachePolicy.on_request_finished`), so its head ends most recent.
 
 Evictable keys live in a lazy min-heap: entries whose rank is stale, or whose chunk is
 no longer evictable, are skipped when popped and the heap is rebuilt when stale entries
@@ -31,7 +31,6 @@ from kvevents.publishers.offload.base import OffloadKey, ReqContext
 from kvevents.publishers.offload.policies.base import (
     CachePolicy,
     ChunkStatus,
-    order_request_keys,
 )
 
 __all__ = ["LRUCachePolicy"]
@@ -115,16 +114,6 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(keys):
             if key in self._chunks:
                 self._set_rank(key, self._fresh_rank())
-
-    def on_request_finished(
-        self,
-        key_groups: Sequence[Sequence[OffloadKey]],
-        insertion_only: set[OffloadKey],
-        reused: set[OffloadKey],
-        ctx: ReqContext,
-    ) -> None:
-        """Re-touch every key of the request, across groups, tail to head (head MRU)."""
-        self.touch(order_request_keys(key_groups, ctx), ctx)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Raise each held key with a position to ``(request_rank, -position)`` if higher.
