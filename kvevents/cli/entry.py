@@ -1,5 +1,6 @@
 """The ``kvevents`` entry point: parse, run the subcommand, turn errors into one line and
-an exit status (0 success, 2 usage or input error, 130 interrupted).
+an exit status (0 success; 1 ran with nothing to work on, as ``record`` hearing no
+publisher; 2 usage or input error, or a service that cannot be reached; 130 interrupted).
 
 May import :mod:`kvevents.cli.parser` and :mod:`kvevents.errors`.
 """

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="kvevents",
-        description="Record, inspect and replay vLLM KV-cache event streams; run the demo.",
+        description="Record, inspect, replay and relay vLLM KV-cache event streams, route "
+        "requests with them (serve), run simulated engines and the demo.",
     )
     parser.add_argument(
         "--version", action="version", version=f"kvevents {__version__} (core: {core_name()})"
@@ -80,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replay endpoint is given) and write every frame received to a capture file, in "
         "arrival order, before decoding (a payload that does not decode or a message "
         "without the [topic, seq, payload] shape is kept too, flagged).  Stops on "
-        "Ctrl-C / SIGTERM, after --duration seconds or --count good batches; the file is "
-        "always left complete.",
+        "Ctrl-C / SIGTERM, after --duration seconds or --count distinct good batches; the "
+        "file is always left complete.  Exit status 1 when no publisher was heard.",
     )
     p.add_argument(
         "endpoints",
@@ -129,14 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stop = p.add_mutually_exclusive_group()
     stop.add_argument("--duration", type=positive_seconds, metavar="S", help="stop after S seconds")
-    stop.add_argument("--count", type=positive_int, metavar="N", help="stop after N batches")
+    stop.add_argument(
+        "--count",
+        type=positive_int,
+        metavar="N",
+        help="stop after N distinct batches (a copy of one already written, as a replay "
+        "may bring, is written but not counted)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no status line")
     p.set_defaults(func=cmd_record)
 
     p = sub.add_parser("inspect", help="print the events of a capture file")
     p.add_argument("file", help="capture file (.kvcap)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
-    p.add_argument("--summary", action="store_true", help="counts by type, medium, group, worker")
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="batches, copies, seq gaps, events by type, medium, group and worker, and the "
+        "file added up (damaged byte ranges and the seqs missing around them)",
+    )
     p.add_argument(
         "--type", help="only this event type (BlockStored, BlockRemoved, AllBlocksCleared)"
     )
