@@ -18,6 +18,7 @@ overlay, the router) and the fleet.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvevents.consumers import PendingOverlay, Router
@@ -52,8 +53,8 @@ class Reservations:
         )
         self.router: Router | None = None
         """Set by the service: the router whose keys the reservations use."""
-        self.publish: Any = None
-        """``(state, keys, ttl_s) -> None``, set by the exchange."""
+        self.publish: Callable[[RankState, list[int], float], None] | None = None
+        """``(state, keys, ttl_s) -> None``: set by the exchange."""
         self._ranks = {(st.engine.name, st.rank): st for st in fleet.ranks}
 
     @property
@@ -71,6 +72,7 @@ class Reservations:
             return None
         with self.fleet.lock:  # (the canonical unit comes from the index's layout)
             keys = router.request_keys(key)
+            self.overlay.sweep(self.fleet.index)  # what is due ends, confirmed or not
         if not keys:
             return None
         rid = self.overlay.reserve(self.fleet.worker_id(state), keys)

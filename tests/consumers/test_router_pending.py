@@ -334,3 +334,40 @@ def test_overlay_matches_a_plain_model(ops: list[tuple], max_entries: int, max_k
             assert stats[name] == model.counts.get(name, 0), name
     ov.clear()
     assert ov.nbytes == 0 and ov.pending_runs(_keys([0, 1])) == {}
+
+
+def test_select_uses_the_overlay_only_for_requests_it_holds() -> None:
+    index = BlockIndex()
+    stored(index, B, [1, 2, 3] * 20)
+    ov = PendingOverlay()
+    router = Router(index, pending=ov)
+    plain = Router(index)
+    loads = {A: 0.0, B: 5.0}
+    router.reserve(sibling(0), B)
+    # a sibling: B holds its context pending, and wins against the idle A
+    assert router.select(sibling(1), loads) == B
+    assert plain.select(sibling(1), loads) == A
+    # another prompt: the overlay holds nothing of it, the answer is the plain router's
+    other = list(range(50_000, 50_600))
+    assert router.select(other, loads) == plain.select(other, loads) == A
+
+
+def test_multimodal_inputs_key_the_reservation() -> None:
+    from kvevents.request import MMFeature
+
+    index = BlockIndex()
+    router = Router(index, pending=PendingOverlay())
+    img = [MMFeature("img-a", 4, 8)]
+    router.reserve(RequestKey(sibling(0), mm_features=img), A)
+    loads = {A: 0.0, B: 0.0}
+    assert router.select(RequestKey(sibling(1), mm_features=img), loads) == A
+    assert router.score(RequestKey(sibling(1), mm_features=img), loads)[0].pending > 0
+    other = [MMFeature("img-b", 4, 8)]
+    assert all(
+        c.pending == 0 for c in router.score(RequestKey(sibling(1), mm_features=other), loads)
+    )
+    # an input that starts in the third block: another input there shares the first two
+    router.reserve(RequestKey(sibling(2), mm_features=[MMFeature("img-c", 40, 8)]), B)
+    late = RequestKey(sibling(3), mm_features=[MMFeature("img-d", 40, 8)])
+    pend = {c.worker: c.pending for c in router.score(late, loads)}
+    assert pend[B] == 32 and pend[A] == 0

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -31,8 +31,13 @@ CONTEXT = " ".join(f"doc{i}" for i in range(1500))
 SLOW = SimHTTPConfig(prefill_s_per_token=4e-4)  # 1500 tokens: 0.6 s of prefill
 
 
-def _stack(weight: float, ttl: float = 20.0) -> LocalStack:
-    cfg = ServeConfig(scrape_interval_s=0.2, pending_weight=weight, pending_ttl_s=ttl)
+def _stack(weight: float, ttl: float = 20.0, max_bytes: int = 32 << 20) -> LocalStack:
+    cfg = ServeConfig(
+        scrape_interval_s=0.2,
+        pending_weight=weight,
+        pending_ttl_s=ttl,
+        pending_max_bytes=max_bytes,
+    )
     return LocalStack(3, serve=cfg, sim=SLOW)
 
 
@@ -171,3 +176,31 @@ def test_loadgen_burst_command_over_two_urls(stack: LocalStack) -> None:
         capture_output=True, text=True, timeout=60, cwd=root, env={"PYTHONPATH": str(root)},
     )  # fmt: skip
     assert bad.returncode != 0 and "one URL" in bad.stderr
+
+
+def test_a_flood_of_unique_prompts_stays_within_the_bound() -> None:
+    """Unique prompts in flight at once: the overlay evicts its oldest reservations and
+    never holds more than its bound; every request is still answered."""
+    bound = 1 << 16  # 64 KiB: four 1,500-token reservations
+    with _stack(0.5, max_bytes=bound) as s:
+        wait_until(lambda: ready(s.url), what="/readyz")
+        res = s.service.reservations
+        assert res is not None
+        peak = 0
+
+        def send(i: int) -> int:
+            body = {
+                "messages": [{"role": "user", "content": f"u{i} " + CONTEXT}],
+                "max_tokens": 2,
+            }
+            return httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).status_code
+
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(send, i) for i in range(12)]
+            while not all(f.done() for f in futures):
+                peak = max(peak, res.overlay.nbytes)
+                wait(futures, timeout=0.005)  # (a sampling tick)
+            assert all(f.result() == 200 for f in futures)
+        assert res.overlay.stats.evicted_for_bound > 0
+        assert 0 < peak <= bound and res.overlay.nbytes <= bound
+        assert _metric(s.url, "kvevents_pending_bytes") <= bound

@@ -186,11 +186,12 @@ class Router:
         """The cheapest worker for the request; ties go to the smallest worker id.
 
         The same choice as ``score(...)[0].worker``, found without building a
-        :class:`Candidate` per worker or sorting them.  Raises
+        :class:`Candidate` per worker or sorting them (when some worker has the
+        request's blocks pending in the overlay, it is ``score``'s answer).  Raises
         :class:`~kvevents.errors.ConfigError` when there is no worker at all.
         """
         tokens, key = _request_key(request, lora_name, cache_salt, mm_features, prompt_embeds)
-        if self._pending_live():
+        if self._pending_live() and self._pending_any(tokens, key):
             ranked = self.score(tokens if key is None else key, loads)
             if not ranked:
                 raise ConfigError(_NO_WORKERS)
@@ -320,6 +321,24 @@ class Router:
         ov = self.pending
         return ov is not None and self.pending_weight > 0 and len(ov) > 0
 
+    def _pending_any(self, tokens: Sequence[int], key: RequestKey | None) -> bool:
+        """Whether some worker holds the request's first block pending (the overlay
+        swept first)."""
+        ov = self.pending
+        assert ov is not None
+        ov.sweep(self.index)
+        unit = self.index.layout().canonical
+        head = tokens[:unit] if key is None else key.tokens[:unit]
+        if len(head) < unit:
+            return False
+        if key is None:
+            first = prompt_keys(head, unit)
+        elif key.prompt_embeds is not None:
+            return False
+        else:
+            first = _content_keys(head, _head_key(key, unit), unit)
+        return bool(first) and bool(ov.pending_runs(first))
+
     def _pending(
         self,
         tokens: Sequence[int],
@@ -355,6 +374,12 @@ class Router:
         known = set(ordered)
         self._workers_cache = (lay, count, ordered, known)
         return ordered, known
+
+
+def _head_key(key: RequestKey, unit: int) -> RequestKey:
+    """``key`` cut to its first ``unit`` tokens (the multimodal inputs that start there)."""
+    feats = tuple(f for f in key.mm_features if f.offset < unit)
+    return RequestKey(key.tokens[:unit], key.lora_name, key.cache_salt, feats, None)
 
 
 def _content_keys(tokens: Sequence[int], key: RequestKey | None, unit: int) -> list[int]:
