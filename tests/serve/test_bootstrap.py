@@ -211,9 +211,9 @@ def test_snapshot_needs_the_admin_token_beyond_loopback() -> None:
 
     import uvicorn
 
+    from kvevents.demo.stack import LocalStack
     from kvevents.serve import ServeConfig
     from kvevents.serve.app import ServeApp
-    from kvevents.demo.stack import LocalStack
 
     with LocalStack(1, serve=ServeConfig(scrape_interval_s=0.2)) as stack:
         wait_until(lambda: httpx.get(stack.url + "/readyz").status_code == 200, what="/readyz")
