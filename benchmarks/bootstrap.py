@@ -13,6 +13,9 @@ now can be caught up two ways:
   /snapshot`` bytes served by a real HTTP server), decodes it, restores the index and
   applies each engine's last ``T`` batches (the replay from its resume point).
 
+A row gives how long the peer takes its snapshot: its consumer thread (the index's only
+writer) pauses that long; its routing goes on.
+
 Both end with the same index (checked: per-worker holdings and a prompt's matches).
 The rows give seconds to be caught up, each with the full catch-up as baseline, and the
 snapshot's size.  Histories are ``K`` distinct simulated engines' streams (10),
@@ -137,8 +140,11 @@ def main() -> None:
     # The peer followed every engine up to T batches before the end of its ring.
     peer = BlockIndex(blocks_per_chunk=BPC)
     apply_all(peer, streams, 0, h - tail)
+    t0 = time.perf_counter()
+    peer_bytes = peer.snapshot()
+    take_s = time.perf_counter() - t0  # (the peer's consumer thread is paused this long)
     snap = PeerSnapshot(
-        peer.snapshot(),
+        peer_bytes,
         tuple(StreamPoint(name, 0, (name, 0), h - tail - 1, 0, True) for name, _ in streams),
         time.time(),
     ).encode()
@@ -147,7 +153,9 @@ def main() -> None:
     # Full catch-up: every ring, decoded and applied.
     t0 = time.perf_counter()
     full = BlockIndex(blocks_per_chunk=BPC)
-    applied_full = apply_all(full, streams, 0, h)
+    # (in the peer's order: the index's global bounds, metadata retention and the
+    # entry cap, make the end state depend on the order across engines)
+    applied_full = apply_all(full, streams, 0, h - tail) + apply_all(full, streams, h - tail, h)
     full_s = time.perf_counter() - t0
 
     # Bootstrap: fetch, decode, restore, apply the tails.
@@ -184,6 +192,7 @@ def main() -> None:
             result(f"caught up, {n} engines: bootstrap from a peer", boot_s, "s", full_s),
             result("  of which: fetch the snapshot (HTTP, loopback)", fetch_s, "s", full_s),
             result("  of which: restore the index", restore_s, "s", full_s),
+            result("peer: take the snapshot (applying paused)", take_s, "s"),
             result(f"caught up, {n} engines: full catch-up", full_s, "s"),
             result("snapshot size", len(snap) / 1e6, "MB"),
             result("index entries", blocks, "entries"),

@@ -492,8 +492,13 @@ class Fleet:
         return result
 
     def _take_snapshot(self) -> PeerSnapshot:
+        """On the consumer thread, the index's only writer: while it writes the snapshot
+        nothing changes the index, so routing goes on reading it (the layout, the one
+        cache a reader fills, is brought up to date first: snapshots of equal indexes
+        are equal bytes)."""
         points = []
         with self.lock:
+            self.index.layout()
             for st in self.ranks:
                 rp = st.resume_point()
                 if rp is None:
@@ -503,8 +508,7 @@ class Fleet:
                         st.engine.name, st.rank, self.worker_id(st), rp[0], rp[1], not st.missed
                     )
                 )
-            data = self.index.snapshot()
-        return PeerSnapshot(data, tuple(points), time.time())
+        return PeerSnapshot(self.index.snapshot(), tuple(points), time.time())
 
     def _serve_snapshots(self) -> None:
         while self._snapshot_requests:
