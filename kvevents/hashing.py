@@ -20,7 +20,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, MissingDependencyError
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
@@ -40,8 +40,13 @@ def _sha256_pickle(obj: Any) -> bytes:
 
 
 def _sha256_cbor(obj: Any) -> bytes:
-    import cbor2
-
+    try:
+        import cbor2
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "vLLM's sha256_cbor block hashes need cbor2, which is not installed: "
+            "pip install 'kvevents[cbor]'"
+        ) from exc
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 

@@ -69,8 +69,11 @@ LAYER_ALLOWED: dict[str, frozenset[str]] = {
 """The layers each layer may import (``app`` may import every layer, so it is absent)."""
 NO_TORCH_LAYERS = frozenset({"core", "consumers"})
 """Layers that never import torch (the router installs without it)."""
-OPTIONAL_DEPS = frozenset({"torch", "starlette", "uvicorn", "httpx", "matplotlib", "nats"})
-"""Third-party packages of the optional extras (offload, serve, demo, nats).  A kvevents
+OPTIONAL_DEPS = frozenset(
+    {"torch", "numpy", "cbor2", "tqdm", "starlette", "uvicorn", "httpx", "matplotlib", "nats"}
+)
+"""Third-party packages of the optional extras (offload, sim, cbor, progress, serve, demo,
+nats).  A kvevents
 module that imports one at module level (directly or through another such module) needs
 that extra: importing it inside a function is the lazy import of the extra, allowed."""
 

@@ -119,6 +119,40 @@ def test_router_side_imports_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_router_needs_no_numpy_cbor2_or_tqdm() -> None:
+    """The core dependencies are what a router that follows events needs: the core, the
+    consumers, the service and the command line load none of the extras' packages."""
+    code = (
+        "import sys, kvevents, kvevents.consumers, kvevents.cli, kvevents.jetstream;"
+        "import kvevents.serve.app;"
+        "loaded = [m for m in ('numpy', 'cbor2', 'tqdm', 'torch') if m in sys.modules];"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("blocked", "code", "extra"),
+    [
+        ("cbor2", "from kvevents.hashing import none_hash; none_hash('sha256_cbor', 's')", "cbor"),
+        ("numpy", "import kvevents.publishers.offload", "offload"),
+    ],
+)
+def test_a_missing_extra_is_one_clear_error(blocked: str, code: str, extra: str) -> None:
+    """Without the extra's package, what needs it raises MissingDependencyError naming
+    the extra (an ImportError, so ``except ImportError`` still works)."""
+    probe = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from kvevents.errors import MissingDependencyError\n"
+        f"try:\n    {code}\n"
+        "except MissingDependencyError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True
+    ).stdout
+    assert blocked in out and f"kvevents[{extra}]" in out, out
+
+
 def test_version_matches_pyproject() -> None:
     import re
     from pathlib import Path

@@ -71,7 +71,7 @@ def progress(total: int, desc: str, *, unit: str = "batch", disable: bool) -> An
         return NoBar()
     try:
         from tqdm import tqdm
-    except ImportError:  # a core dependency; a trimmed install just has no bar
+    except ImportError:  # the `progress` extra: without it there is no bar
         return NoBar()
     return tqdm(
         total=total or None,

@@ -20,11 +20,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-import numpy as np
-import numpy.typing as npt
-
-from kvevents.errors import OffloadError
+from kvevents.errors import MissingDependencyError, OffloadError
 from kvevents.events import MEDIUM_CPU
+
+try:
+    import numpy as np
+    import numpy.typing as npt
+except ImportError as exc:  # numpy is the offload and sim extras', not the core's
+    raise MissingDependencyError(
+        "the CPU offload tier (and the engine simulator) need numpy, which is not "
+        "installed: pip install 'kvevents[offload]' (or 'kvevents[sim]')"
+    ) from exc
 
 __all__ = [
     "GROUP_SUFFIX_BYTES",
