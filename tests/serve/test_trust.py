@@ -78,17 +78,22 @@ def test_a_silent_stream_is_untrusted_routed_by_load_and_trusted_again() -> None
         assert r.status_code == 200
 
         # The links come back: trusted again, with its credit.
+        restored_at = time.monotonic()
         ev.restore()
         rep.restore()
         wait_until(lambda: worker(url, "sim-0:0")["trusted"] is True,
                    timeout=60, what="sim-0 trusted again")  # fmt: skip
+        trusted_after = time.monotonic() - restored_at
         assert credit(url, "sim-0:0") > 0
         assert service.stderr_has("sim-0:0: trusted again")
         assert (
             'kvevents_stream_trusted{engine="sim-0",rank="0"} 1.0'
             in httpx.get(url + "/metrics").text
         )
-        print(f"untrusted after {untrusted_after:.2f} s (stale_after_s {STALE_AFTER_S})")
+        print(
+            f"untrusted {untrusted_after:.2f} s after the cut (stale_after_s {STALE_AFTER_S}), "
+            f"trusted again {trusted_after:.2f} s after the links came back"
+        )
     finally:
         ev.close()
         rep.close()
@@ -111,3 +116,36 @@ def test_rank_lookup_of_a_data_parallel_rank_raises_no_warning() -> None:
             assert fleet.rank_for("x", 1) is fleet.ranks[0]
     finally:
         fleet.close()
+
+
+def test_trust_and_bootstrap_options_are_checked() -> None:
+    from kvevents.errors import ConfigError
+    from kvevents.serve.config import load_config
+
+    engine = ["a=http://127.0.0.1:9,tcp://127.0.0.1:9,tcp://127.0.0.1:10"]
+    cfg = load_config(
+        engines=engine,
+        environ={"KVEVENTS_SERVE_ADMIN_TOKEN": "t0k"},
+        options={"stale_after_s": "5", "ready_when_incomplete": "false"},
+    )
+    assert (cfg.stale_after_s, cfg.ready_when_incomplete, cfg.admin_token) == (5.0, False, "t0k")
+    assert load_config(
+        engines=engine, options={"ready_when_incomplete": True}
+    ).ready_when_incomplete
+    for bad, why in [
+        ({"stale_after_s": 0}, "stale_after_s must be > 0"),
+        ({"ready_when_incomplete": "maybe"}, "is not a boolean"),
+        ({"bootstrap_from": "http://127.0.0.1:9", "nats_url": "nats://127.0.0.1:9"}, "--nats"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(engines=engine, options=bad)
+
+
+def test_an_unreachable_peer_stops_the_service_with_one_line() -> None:
+    proc = Proc(
+        "serve", "--engine", "a=http://127.0.0.1:9,tcp://127.0.0.1:9,tcp://127.0.0.1:10",
+        "--port", "0", "--bootstrap-from", "http://127.0.0.1:9",
+    )  # fmt: skip
+    assert proc.p.wait(timeout=60) == 2
+    wait_until(lambda: proc.stderr_has("cannot bootstrap from http://127.0.0.1:9/snapshot"),
+               what="the error line")  # fmt: skip
