@@ -14,7 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.consumers.index import BlockIndex
-from kvevents.consumers.index.records import BlockRecord
+from kvevents.consumers.index.records import FREE_LINK
+from kvevents.consumers.index.records import counted_parent as _counted_parent
+from kvevents.consumers.index.records import gpu_refs as _gpu
+from kvevents.consumers.index.records import parent_of as _parent
 from kvevents.consumers.router import Router
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
@@ -32,18 +35,6 @@ def gpu(hashes: list[int], parent: int | None, group: int = 0) -> BlockStored:
     toks = [t for h in hashes for t in _toks(h)]
     return BlockStored(hashes, parent, toks, BS, None, "GPU", None, group_idx=group,
                        kv_cache_spec_kind="full_attention")  # fmt: skip
-
-
-def _gpu(m: BlockRecord) -> int:
-    return m.gpu
-
-
-def _counted_parent(m: BlockRecord) -> Any:
-    return m.counted_parent
-
-
-def _parent(m: BlockRecord) -> Any:
-    return m.parent
 
 
 def held_entries(index: BlockIndex) -> set[tuple[Any, int, Any]]:
@@ -109,7 +100,7 @@ def check_free_links(index: BlockIndex, held: set[tuple[Any, int, Any]]) -> None
     for wid in index.workers():
         for g, gs in index._workers[wid].groups.items():
             for h, m in gs.meta.items():
-                if m.free_link and (wid, g, h) in held:
+                if type(m) is int and m & FREE_LINK and (wid, g, h) in held:
                     assert index._tracking
                     places = queue_places(index) if places is None else places
                     mine = places.get((id(gs), h))
@@ -292,7 +283,7 @@ def test_a_stale_pending_entry_changes_nothing_for_other_workers() -> None:
         ix.apply("b", 0, KVEventBatch(0.0, [gpu(list(range(1, 9)), None)]))
     b, b_alone = index._workers[("b", 0)].groups[0], alone._workers[("b", 0)].groups[0]
     assert b.meta == b_alone.meta and b.kids == b_alone.kids
-    assert any(m.free_link for m in b.meta.values())  # (the cap's bookkeeping runs)
+    assert any(m & FREE_LINK for m in b.meta.values())  # (the cap's bookkeeping runs)
     index.apply("a", 0, KVEventBatch(0.0, [gpu(list(range(100, 104)), None)]))
     index.apply("a", 0, KVEventBatch(0.0, [gpu([999], 103)]))
     assert index.pending_count == 0 and index.stats.joined_late == 1
@@ -321,7 +312,7 @@ def test_no_eviction_bookkeeping_far_below_the_cap() -> None:
     # (1..51 have a resident child each); so is 52's, to a block placed by that start;
     # 53..60 link to a block of their own store: free, not counted
     assert sorted(gs.kids) == list(range(1, 52))
-    assert [h for h, m in gs.meta.items() if m.free_link] == list(range(53, 61))
+    assert [h for h, m in gs.meta.items() if m & FREE_LINK] == list(range(53, 61))
     check_bounds(index)
 
 

@@ -38,7 +38,16 @@ from itertools import islice
 from typing import Any, Union
 
 from kvevents.consumers.index.marks import TierMarks, unmark
-from kvevents.consumers.index.records import BlockRecord, Hash
+from kvevents.consumers.index.records import (
+    Hash,
+    Record,
+    content_key,
+    counted_parent,
+    gpu_refs,
+    has_free_link,
+    parent_of,
+    without_free_link,
+)
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerTable
 
@@ -129,7 +138,7 @@ class Eviction:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def enter(self, gs: GroupState, h: Hash, m: BlockRecord | None) -> None:
+    def enter(self, gs: GroupState, h: Hash, m: Record | None) -> None:
         """(Tracking only.)  ``h`` (record ``m``) became resident through a CPU/STORAGE
         store: one more resident child for its parent, and its place in the eviction
         queue."""
@@ -141,17 +150,17 @@ class Eviction:
         if self.qlen > self.qlimit or len(self.forgotten) > self.qlimit:
             self.compact()
 
-    def add_child(self, gs: GroupState, h: Hash, m: BlockRecord | None) -> None:
+    def add_child(self, gs: GroupState, h: Hash, m: Record | None) -> None:
         """(Tracking only.)  ``h`` (record ``m``) became resident: one more resident child
         for its parent (the GPU store, or :meth:`enter`, queues it).  A
         :data:`~.records.FREE_LINK` left from an earlier residency is cleared: this
         link is counted."""
         if m is not None:
-            p = m.parent
+            p = parent_of(m)
             if p is not None:
                 gs.kids[p] = gs.kids.get(p, 0) + 1
-            if m.free_link:
-                m.free_link = False
+            if has_free_link(m):
+                gs.meta[h] = without_free_link(m)
 
     def queue_store(self, gs: GroupState, hashes: Any) -> None:
         """Queue a GPU store's blocks for eviction as one item, taken leaf first (they
@@ -193,8 +202,8 @@ class Eviction:
             r1, r2 = gs.refs[1], gs.refs[2]
             run: list[Hash] = []
             for h, m in gs.meta.items():
-                if m.gpu > 0 or h in r1 or h in r2:
-                    p = m.parent
+                if gpu_refs(m) > 0 or h in r1 or h in r2:
+                    p = parent_of(m)
                     if p is not None:
                         kids[p] = kids.get(p, 0) + 1
                     run.append(h)
@@ -228,12 +237,12 @@ class Eviction:
         elif p in gs.deferred:
             self.ready.append((gs, p))
 
-    def reparent(self, gs: GroupState, h: Hash, old: BlockRecord, new: BlockRecord) -> None:
+    def reparent(self, gs: GroupState, h: Hash, old: Record, new: Record) -> None:
         """``h``'s record is replaced (an orphan healed): if it is resident, it is now a
         child of the new record's parent."""
         if not self.tracking:
             return
-        po, pn = old.counted_parent, new.counted_parent
+        po, pn = counted_parent(old), counted_parent(new)
         if po != pn and gs.held(h):
             if po is not None:
                 self.unkid(gs, po)
@@ -327,7 +336,7 @@ class Eviction:
         m = gs.meta.get(h)
         if gs.kids and h in gs.kids:
             gs.deferred[h] = None
-            if m is not None and m.free_link:  # now counted
+            if m is not None and has_free_link(m):  # now counted
                 self.add_child(gs, h, m)
             return
         if gs.deferred and h in gs.deferred:
@@ -363,12 +372,12 @@ class Eviction:
                     evicted = True
         return evicted
 
-    def drop(self, gs: GroupState, h: Hash, m: BlockRecord | None) -> None:
+    def drop(self, gs: GroupState, h: Hash, m: Record | None) -> None:
         """Evict the resident entry ``h`` of ``gs`` (``m`` is its record) whole."""
         p: Hash | None
         if m is not None:
             del gs.meta[h]
-            ck, on_gpu, p = m.key, m.gpu > 0, m.counted_parent
+            ck, on_gpu, p = content_key(m), gpu_refs(m) > 0, counted_parent(m)
         else:
             ck, on_gpu, p = None, False, None
         self.forgotten.add(h)  # (later places of h in the queue may remain)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvevents.consumers.index.records import Hash
+from kvevents.consumers.index.records import Hash, content_key
 from kvevents.consumers.index.stores import Stores
 from kvevents.consumers.index.workers import TIERS, GroupState, WorkerState
 from kvevents.events import BlockStored
@@ -36,7 +36,7 @@ def legacy_store(feed: Stores, w: WorkerState, ev: BlockStored, tier: int) -> No
         feed.stats.joined += 1
         m = gs.meta[h]
         feed.observe_tail(w, gs, m)
-        feed.ref(w, gs, tier, h, m.key)
+        feed.ref(w, gs, tier, h, content_key(m))
 
 
 def legacy_remove(feed: Stores, w: WorkerState, hashes: Iterable[Hash], tier: int) -> None:

@@ -8,7 +8,18 @@ the layout instead).  Never writes index state.  Imports :mod:`.layout`,
 from __future__ import annotations
 
 from kvevents.consumers.index.layout import slot_indexable
-from kvevents.consumers.index.records import Hash
+from kvevents.consumers.index.records import (
+    F_EXTRA,
+    F_LORA,
+    F_TOKENS,
+    Hash,
+    block_size,
+    content_key,
+    end_tokens,
+    gpu_refs,
+    parent_of,
+    tuple_field,
+)
 from kvevents.consumers.index.stats import BlockInfo, ChunkSpan, TierSummary, WorkerSummary
 from kvevents.consumers.index.workers import TIERS, WorkerId, WorkerState
 
@@ -25,14 +36,14 @@ def block_info(
     if w is None or gs is None or m is None:
         return None
     tiers = frozenset(
-        TIERS[t] for t in range(3) if (m.gpu > 0 if t == 0 else block_hash in gs.refs[t])
+        TIERS[t] for t in range(3) if (gpu_refs(m) > 0 if t == 0 else block_hash in gs.refs[t])
     )
     chunk = None
     if w.bpc and (block_hash in gs.refs[1] or block_hash in gs.refs[2]):
         hashes: list[Hash] = [block_hash]
         cur = m
         while len(hashes) < w.bpc:
-            up = cur.parent
+            up = parent_of(cur)
             if up is None:
                 break
             hashes.append(up)
@@ -40,9 +51,9 @@ def block_info(
             if nxt is None:
                 break
             cur = nxt
-        size = gs.block_size or m.size
+        size = gs.block_size or block_size(m)
         span = w.bpc * size
-        end = m.end_tokens
+        end = end_tokens(m)
         chunk = ChunkSpan(
             hashes=tuple(reversed(hashes)),
             start=end - span if end is not None else None,
@@ -50,19 +61,19 @@ def block_info(
             blocks_per_chunk=w.bpc,
             tokens=span,
         )
-    end = m.end_tokens
+    end = end_tokens(m)
     return BlockInfo(
         group=group,
-        block_size=m.size,
-        start=end - m.size if end is not None else None,
+        block_size=block_size(m),
+        start=end - block_size(m) if end is not None else None,
         end=end,
-        parent=m.parent,
-        lora_name=m.lora,
-        extra_keys=m.extra,
+        parent=parent_of(m),
+        lora_name=tuple_field(m, F_LORA),
+        extra_keys=tuple_field(m, F_EXTRA),
         kind=gs.kind,
         tiers=tiers,
-        indexed=m.key is not None and slot_indexable(w, gs),
-        token_ids=m.tokens,
+        indexed=content_key(m) is not None and slot_indexable(w, gs),
+        token_ids=tuple_field(m, F_TOKENS),
         chunk=chunk,
     )
 
@@ -77,13 +88,13 @@ def summary(workers: dict[WorkerId, WorkerState]) -> dict[WorkerId, WorkerSummar
         for gs in w.groups.values():
             retained += len(gs.meta)
             for m in gs.meta.values():
-                if m.gpu:
+                if gpu_refs(m):
                     counts[0][0] += 1
-                    counts[0][1] += m.size
+                    counts[0][1] += block_size(m)
             for tier in (1, 2):
                 for h in gs.refs[tier]:
                     tm = gs.meta.get(h)
-                    size = tm.size if tm is not None else 0
+                    size = block_size(tm) if tm is not None else 0
                     counts[tier][0] += 1
                     counts[tier][1] += size * (w.bpc or 1)
         out[wid] = WorkerSummary(
@@ -103,13 +114,13 @@ def held_content_keys(w: WorkerState, tier: int) -> set[int]:
     for gs in w.groups.values():
         if tier == 0:
             for m in gs.meta.values():
-                ck = m.key
-                if ck is not None and m.gpu:
+                ck = content_key(m)
+                if ck is not None and gpu_refs(m):
                     out.add(ck)
         else:
             for h in gs.refs[tier]:
                 tm = gs.meta.get(h)
-                ck = tm.key if tm is not None else None
+                ck = content_key(tm) if tm is not None else None
                 if ck is not None:
                     out.add(ck)
     return out

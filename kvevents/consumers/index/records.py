@@ -1,26 +1,49 @@
-"""Metadata records: what the index knows about one engine block.
+"""Metadata records: what the index knows about one engine block, and how it is kept.
 
-One job: :class:`BlockRecord`, the record of one (worker, group, engine hash): its
-content key, position, block size, parent, LoRA name, extra keys, token ids (only with
-``keep_token_ids``), GPU refcount, and the memory cap's free-link flag.  Imports nothing
-from the index.
+One job: the record of one (worker, group, engine hash) and its named fields, each read
+by one function here:
 
-Every room reads and changes records through these named fields.  The snapshot writes a
-record in its stored form (:meth:`BlockRecord.encoded`), the compact encoding the index
-has always written, so snapshots stay byte for byte what they were:
+=====================  ==============================================================
+:func:`content_key`    the key the block's marks use (None: not matchable: its
+                       parent's key was unknown, its tokens could not be keyed, or it
+                       is a partial tail)
+:func:`chain_key`      the key its children chain on (the content key, unless the block
+                       was hashed with lookahead tokens)
+:func:`end_tokens`     one past its last token position (None: unknown)
+:func:`block_size`     tokens in the block
+:func:`parent_of`      its parent's engine hash (None: a root)
+:func:`counted_parent` the parent whose resident-children count includes it (None for
+                       a root or a :data:`FREE_LINK`, see :mod:`.eviction`)
+:func:`gpu_refs`       its GPU references (on the GPU tier while positive)
+:func:`has_free_link`  the memory cap does not count it among its parent's children
+:func:`tuple_field`    the LoRA name, extra keys and token ids of a wide record
+=====================  ==============================================================
 
-* a *packed* record is one int: bits 0-63 the content key (:data:`CK_MASK`), bit 64
-  "has a content key" (:data:`HAS_CK`), bits 65-84 end position in blocks + 1
-  (:data:`END_SHIFT`, 0: unknown), bits 85-104 the block size (:data:`SIZE_SHIFT`),
-  bits 105-169 parent hash + 1 (:data:`PARENT_SHIFT`, 0: none), bit 170
-  :data:`FREE_LINK`, bits 171 and up the GPU refcount (:data:`GPU_SHIFT`);
-* a *wide* record (a LoRA name, extra keys, token ids, a bytes or out-of-range parent,
-  fields out of range, or a chain key other than its content key) is the tuple
-  ``(key, end_blocks, parent, size, lora, extra, tokens, gpu)``, plus the chain key as
-  a ninth field when it differs from the content key.
+A record is a value: :func:`pack` makes one, :func:`add_gpu`, :func:`with_free_link`,
+:func:`without_free_link` and :func:`unkeyed` give a changed copy.  No other room looks
+inside one, so a field moves here and nowhere else.  Imports nothing from the index.
 
-Which form a record takes is decided when it is made and kept for its life
-(:attr:`BlockRecord.wide`).
+The form is compact on purpose: a fleet's index holds millions of records, and a plain
+int or a tuple of plain values costs a fraction of an object's memory and nothing to
+the garbage collector (an instance of any Python class is tracked by it, and a full
+collection then walks every record).  It is also the snapshot's form, byte for byte.
+
+A record is, usually, one packed int (about 52 bytes):
+
+* bits 0-63: the content key (unsigned, :data:`CK_MASK`), bit 64: "has a content key"
+  (:data:`HAS_CK`);
+* bits 65-84: end position in blocks + 1 (0: unknown; :data:`END_SHIFT`);
+* bits 85-104: block size in tokens (:data:`SIZE_SHIFT`);
+* bits 105-169: parent hash + 1 (0: none; :data:`PARENT_SHIFT`, :data:`PARENT_MASK`);
+* bit 170: :data:`FREE_LINK`;
+* bits 171 and up: the GPU refcount (:data:`GPU_SHIFT`; one reference is
+  :data:`GPU_ONE`).
+
+Records with a LoRA name, extra keys, token ids, a bytes or negative parent, or fields
+out of range are *wide*: the tuple ``(ck, end_blocks, parent, size, lora, extra, tokens,
+gpu refs)`` (indices :data:`F_CK` ... :data:`F_GPU`), plus a ninth field
+:data:`F_CHAIN`, the chain key children build on, when it differs from ``ck`` (the mark
+key of a block hashed with lookahead tokens).
 """
 
 from __future__ import annotations
@@ -32,29 +55,55 @@ __all__ = [
     "END_SHIFT",
     "FIELD_MASK",
     "FREE_LINK",
+    "F_CHAIN",
+    "F_CK",
+    "F_END",
+    "F_EXTRA",
+    "F_GPU",
+    "F_LORA",
+    "F_PARENT",
+    "F_SIZE",
+    "F_TOKENS",
+    "GPU_ONE",
     "GPU_SHIFT",
+    "GPU_TWO",
     "HAS_CK",
     "PARENT_MASK",
     "PARENT_SHIFT",
     "SIZE_SHIFT",
-    "BlockRecord",
     "Hash",
-    "StoredRecord",
+    "Record",
+    "add_gpu",
+    "block_size",
+    "chain_key",
+    "content_key",
+    "counted_parent",
+    "end_tokens",
+    "gpu_refs",
+    "has_free_link",
+    "pack",
     "packs_end",
     "packs_size",
+    "parent_of",
     "plain_hash",
+    "tuple_field",
+    "unkeyed",
+    "with_free_link",
+    "without_free_link",
 ]
 
 Hash = Union[int, bytes]
 """An engine block hash as the wire carries it (int, or bytes from vLLM <= 0.23)."""
 
-StoredRecord = Union[int, tuple[Any, ...]]
-"""A record's stored form: a packed int or a wide tuple (see the module docstring)."""
+Record = Union[int, tuple[Any, ...]]
+"""A metadata record: a packed int or, for the rare wide records, a tuple."""
 
+F_CK, F_END, F_PARENT, F_SIZE, F_LORA, F_EXTRA, F_TOKENS, F_GPU, F_CHAIN = range(9)
+"""Field indices of a tuple record."""
 CK_MASK = (1 << 64) - 1
 """Mask of the content key bits (the key itself: content keys are unsigned 64-bit)."""
 HAS_CK = 1 << 64
-"""Set when the packed record has a content key."""
+"""Set when the record has a content key."""
 FIELD_MASK = (1 << 20) - 1
 """Mask of the 20-bit end and size fields (after shifting)."""
 END_SHIFT = 65
@@ -66,9 +115,49 @@ PARENT_SHIFT = 105
 PARENT_MASK = (1 << 65) - 1
 """Mask of the parent field (after shifting)."""
 FREE_LINK = 1 << 170
-"""The free-link flag of a packed record (:attr:`BlockRecord.free_link`)."""
+"""Set in the packed record of a resident block that its parent's resident-children count
+(``GroupState.kids``) does not count: the block and its parent became resident in one
+GPU store, the parent with no earlier place in the eviction queue, so the queue takes
+the block first (see :class:`~.eviction.Eviction`).  Meaningless while the block is not
+resident; tuple records never carry it."""
 GPU_SHIFT = 171
-"""Shift of the GPU refcount (the top bits)."""
+"""Shift of the GPU refcount (the top bits: a packed record >= GPU_ONE is held on GPU)."""
+GPU_ONE = 1 << GPU_SHIFT
+"""One GPU reference, to add to or subtract from a packed record."""
+GPU_TWO = 2 << GPU_SHIFT
+"""Two GPU references: a packed record >= GPU_TWO stays held after one removal."""
+
+
+def pack(
+    ck: int | None,
+    end_blocks: int | None,
+    parent: Hash | None,
+    size: int,
+    lora: str | None = None,
+    extra: Any = None,
+    tokens: tuple[int, ...] | None = None,
+    chain: int | None = None,
+) -> Record:
+    """A record with a GPU refcount of 0: packed when every field fits, else a tuple."""
+    if chain is not None and chain != ck:
+        return (ck, end_blocks, parent, size, lora, extra, tokens, 0, chain)
+    if (
+        lora is None
+        and extra is None
+        and tokens is None
+        and (parent is None or (type(parent) is int and 0 <= parent <= CK_MASK))
+        and (end_blocks is None or end_blocks < FIELD_MASK)
+        and 0 < size <= FIELD_MASK
+    ):
+        v = size << SIZE_SHIFT
+        if ck is not None:
+            v |= ck | HAS_CK
+        if end_blocks is not None:
+            v |= (end_blocks + 1) << END_SHIFT
+        if parent is not None:
+            v |= (parent + 1) << PARENT_SHIFT
+        return v
+    return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
 
 
 def plain_hash(h: Hash) -> bool:
@@ -86,133 +175,99 @@ def packs_end(end_blocks: int) -> bool:
     return end_blocks < FIELD_MASK
 
 
-class BlockRecord:
-    """What the index knows about one engine block of one (worker, group).
+def with_free_link(m: Record) -> Record:
+    """The packed record ``m`` with :data:`FREE_LINK` set (its link to its parent is not
+    counted among the parent's resident children)."""
+    assert isinstance(m, int), "only packed records carry a free link"
+    return m | FREE_LINK
 
-    * ``key``: the content key the block's marks use (None: not matchable: its parent's
-      key was unknown, its tokens could not be keyed, or it is a partial tail);
-    * ``chain``: the key the block's children chain on (``key``, unless the block was
-      hashed with lookahead tokens: then ``key`` covers them and ``chain`` does not);
-    * ``end_blocks``: one past the block's last token, in blocks (None: unknown);
-    * ``parent``: the parent block's engine hash (None: a root);
-    * ``size``: tokens in the block; ``lora``, ``extra``: the store's LoRA name and the
-      block's extra keys; ``tokens``: its token ids (only with ``keep_token_ids``);
-    * ``gpu``: GPU references (the block is on the GPU tier while it is positive);
-    * ``free_link``: the memory cap does not count this resident block among its
-      parent's resident children (see :mod:`.eviction`); meaningless while the block is
-      not resident;
-    * ``wide``: stored as a tuple, not a packed int (see the module docstring).
-    """
 
-    __slots__ = (
-        "chain",
-        "end_blocks",
-        "extra",
-        "free_link",
-        "gpu",
-        "key",
-        "lora",
-        "parent",
-        "size",
-        "tokens",
-        "wide",
-    )
+def has_free_link(m: Record) -> bool:
+    """Whether the record carries :data:`FREE_LINK`."""
+    return type(m) is int and bool(m & FREE_LINK)
 
-    def __init__(
-        self,
-        key: int | None,
-        end_blocks: int | None,
-        parent: Hash | None,
-        size: int,
-        lora: str | None = None,
-        extra: Any = None,
-        tokens: tuple[int, ...] | None = None,
-        chain: int | None = None,
-    ) -> None:
-        self.key = key
-        self.chain = key if chain is None else chain
-        self.end_blocks = end_blocks
-        self.parent = parent
-        self.size = size
-        self.lora = lora
-        self.extra = extra
-        self.tokens = tokens
-        self.gpu = 0
-        self.free_link = False
-        self.wide = not (
-            lora is None
-            and extra is None
-            and tokens is None
-            and (parent is None or (type(parent) is int and 0 <= parent <= CK_MASK))
-            and (end_blocks is None or end_blocks < FIELD_MASK)
-            and 0 < size <= FIELD_MASK
-            and self.chain == key
-        )
 
-    @property
-    def end_tokens(self) -> int | None:
-        """One past the block's last token position, or None when unknown."""
-        return None if self.end_blocks is None else self.end_blocks * self.size
+def without_free_link(m: Record) -> Record:
+    """The record with :data:`FREE_LINK` cleared."""
+    return m & ~FREE_LINK if type(m) is int else m
 
-    @property
-    def counted_parent(self) -> Hash | None:
-        """The parent whose resident-children count includes this (resident) block: its
-        parent, unless it is a root or its link is free."""
-        return None if self.free_link else self.parent
 
-    def unkeyed(self) -> BlockRecord:
-        """A copy without content and chain keys (a partial tail is never matched)."""
-        r = BlockRecord.__new__(BlockRecord)
-        for name in self.__slots__:
-            setattr(r, name, getattr(self, name))
-        r.key = r.chain = None
-        return r
+def gpu_refs(m: Record) -> int:
+    """The record's GPU refcount."""
+    if isinstance(m, int):
+        return m >> GPU_SHIFT
+    count: int = m[F_GPU]
+    return count
 
-    def encoded(self) -> StoredRecord:
-        """The record's stored form (see the module docstring)."""
-        if self.wide:
-            t = (self.key, self.end_blocks, self.parent, self.size, self.lora, self.extra,
-                 self.tokens, self.gpu)  # fmt: skip
-            return t if self.chain == self.key else (*t, self.chain)
-        v = (self.size << SIZE_SHIFT) | (self.gpu << GPU_SHIFT)
-        if self.key is not None:
-            v |= self.key | HAS_CK
-        if self.end_blocks is not None:
-            v |= (self.end_blocks + 1) << END_SHIFT
-        if self.parent is not None:
-            v |= (self.parent + 1) << PARENT_SHIFT  # type: ignore[operator]
-        if self.free_link:
-            v |= FREE_LINK
-        return v
 
-    @classmethod
-    def decoded(cls, v: StoredRecord) -> BlockRecord:
-        """The record whose stored form is ``v`` (the inverse of :meth:`encoded`)."""
-        r = cls.__new__(cls)
-        r.free_link = False
-        r.lora = r.extra = r.tokens = None
-        if isinstance(v, int):
-            r.key = v & CK_MASK if v & HAS_CK else None
-            e = (v >> END_SHIFT) & FIELD_MASK
-            r.end_blocks = e - 1 if e else None
-            r.size = (v >> SIZE_SHIFT) & FIELD_MASK
-            p = (v >> PARENT_SHIFT) & PARENT_MASK
-            r.parent = p - 1 if p else None
-            r.free_link = bool(v & FREE_LINK)
-            r.gpu = v >> GPU_SHIFT
-            r.wide = False
-            r.chain = r.key
-        else:
-            r.key, r.end_blocks, r.parent, r.size, r.lora, r.extra, r.tokens, r.gpu = v[:8]
-            r.chain = v[8] if len(v) > 8 else r.key
-            r.wide = True
-        return r
+def add_gpu(m: Record, delta: int) -> Record:
+    """The record with its GPU refcount changed by ``delta``."""
+    if isinstance(m, int):
+        return m + delta * GPU_ONE
+    return (*m[:F_GPU], m[F_GPU] + delta, *m[F_CHAIN:])
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BlockRecord) and self.encoded() == other.encoded()
 
-    __hash__ = None  # type: ignore[assignment]
+def content_key(m: Record) -> int | None:
+    """The record's content key (the key its marks use), or None."""
+    if isinstance(m, int):
+        return m & CK_MASK if m & HAS_CK else None
+    ck: int | None = m[F_CK]
+    return ck
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
-        return f"BlockRecord({fields})"
+
+def chain_key(m: Record) -> int | None:
+    """The key children of this block chain on (its content key unless it has lookahead)."""
+    if isinstance(m, int):
+        return m & CK_MASK if m & HAS_CK else None
+    ck: int | None = m[F_CHAIN] if len(m) > F_CHAIN else m[F_CK]
+    return ck
+
+
+def unkeyed(m: Record) -> Record:
+    """The record without its content key (a partial tail is never matched)."""
+    if isinstance(m, int):
+        return m & ~(CK_MASK | HAS_CK)
+    return (None, *m[1:F_CHAIN])
+
+
+def block_size(m: Record) -> int:
+    """Tokens in the block."""
+    if isinstance(m, int):
+        return (m >> SIZE_SHIFT) & FIELD_MASK
+    size: int = m[F_SIZE]
+    return size
+
+
+def end_tokens(m: Record) -> int | None:
+    """One past the block's last token position, or None when unknown."""
+    if isinstance(m, int):
+        e = (m >> END_SHIFT) & FIELD_MASK
+        return (e - 1) * ((m >> SIZE_SHIFT) & FIELD_MASK) if e else None
+    end: int | None = m[F_END]
+    return None if end is None else end * int(m[F_SIZE])
+
+
+def parent_of(m: Record) -> Hash | None:
+    """The parent block's hash, or None (a root, or unknown)."""
+    if isinstance(m, int):
+        p = (m >> PARENT_SHIFT) & PARENT_MASK
+        return p - 1 if p else None
+    parent: Hash | None = m[F_PARENT]
+    return parent
+
+
+def counted_parent(m: Record) -> Hash | None:
+    """The parent whose resident-children count includes this (resident) block: its
+    parent, or None for a root, an unknown parent or a :data:`FREE_LINK`."""
+    if isinstance(m, int):
+        if m & FREE_LINK:
+            return None
+        p = (m >> PARENT_SHIFT) & PARENT_MASK
+        return p - 1 if p else None
+    parent: Hash | None = m[F_PARENT]
+    return parent
+
+
+def tuple_field(m: Record, i: int) -> Any:
+    """Field ``i`` of a tuple record (LoRA name, extra keys, tokens); None when packed."""
+    return None if isinstance(m, int) else m[i]

@@ -2,11 +2,11 @@
 
 One job: the refcount rules every store, removal and clear goes through.  A (worker,
 group, hash) entry is *resident* while any tier holds it (GPU: the refcount in its
-record, ``BlockRecord.gpu``; CPU/STORAGE: ``GroupState.refs``).  References are counted,
-not flags: vLLM's ``BlockPool.cache_full_blocks`` publishes a ``BlockStored`` for every
-block it caches and ``BlockPool._maybe_evict_cached_block`` a ``BlockRemoved`` for every
-block it evicts, and two engine blocks may carry one hash (and one content key), so a
-store seen twice needs two removals.
+record, :func:`.records.gpu_refs`; CPU/STORAGE: ``GroupState.refs``).  References are
+counted, not flags: vLLM's ``BlockPool.cache_full_blocks`` publishes a ``BlockStored``
+for every block it caches and ``BlockPool._maybe_evict_cached_block`` a
+``BlockRemoved`` for every block it evicts, and two engine blocks may carry one hash
+(and one content key), so a store seen twice needs two removals.
 
 * :meth:`RefRules.ref`: the first reference on a tier marks the content key in that
   tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
@@ -31,7 +31,14 @@ from typing import Any
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.join import PendingTable, Retention
 from kvevents.consumers.index.marks import TierMarks, mark, unmark
-from kvevents.consumers.index.records import BlockRecord, Hash
+from kvevents.consumers.index.records import (
+    Hash,
+    Record,
+    add_gpu,
+    content_key,
+    counted_parent,
+    gpu_refs,
+)
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import (
     GPU,
@@ -139,8 +146,8 @@ class RefRules:
                 # the memory cap dropped this entry whole while it was being applied
                 # (e.g. while joining its pending CPU stores); nothing left to count
                 return False
-            m.gpu += 1
-            if m.gpu > 1:
+            gs.meta[h] = add_gpu(m, 1)
+            if gpu_refs(m):
                 return False  # not the first GPU reference
         else:
             refs = gs.refs[tier]
@@ -197,11 +204,11 @@ class RefRules:
                 continue
             m = gs.meta.get(h)
             if tier == GPU:
-                count = 0 if m is None else m.gpu
+                count = 0 if m is None else gpu_refs(m)
                 if not count or m is None:
                     self.remove_unknown(w, gs, group, h, tier)
                     continue
-                m.gpu -= 1
+                gs.meta[h] = add_gpu(m, -1)
             else:
                 refs = gs.refs[tier]
                 count = refs.get(h, 0)
@@ -215,14 +222,14 @@ class RefRules:
             self.stats.removed[TIERS[tier]] += 1
             if count > 1:
                 continue  # not the last reference on this tier
-            ck = m.key if m is not None else None
+            ck = content_key(m) if m is not None else None
             if ck is not None:
                 unmark(self.marks[tier], ck, gs.bit)
             if not gs.held_elsewhere(h, tier):
                 self.stopped_being_resident(w, gs, h, m)
 
     def stopped_being_resident(
-        self, w: WorkerState, gs: GroupState, h: Hash, m: BlockRecord | None
+        self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None
     ) -> None:
         """``h`` (record ``m``) lost its last reference on any tier: one resident entry
         fewer, one resident child fewer for its parent, and its record retained (bounded)
@@ -236,7 +243,7 @@ class RefRules:
             cap.forget((h,))
             return
         if gs.kids:  # (the memory cap's bookkeeping runs)
-            parent = m.counted_parent
+            parent = counted_parent(m)
             if parent is not None:
                 cap.unkid(gs, parent)
         self.retention.retire(w.wid, gs, h)
@@ -268,19 +275,19 @@ class RefRules:
             meta = gs.meta
             held: set[Hash] = set()
             for h, m in meta.items():
-                if m.gpu:
+                if gpu_refs(m):
                     held.add(h)
-                    ck = m.key
+                    ck = content_key(m)
                     if ck is not None:
                         unmark(gpu_marks, ck, bit)
             for h in held:
-                meta[h].gpu = 0
+                meta[h] = add_gpu(meta[h], -gpu_refs(meta[h]))
             for tier in (1, 2):
                 refs = gs.refs[tier]
                 marks = self.marks[tier]
                 for h in refs:
                     tm = gs.meta.get(h)
-                    ck = tm.key if tm is not None else None
+                    ck = content_key(tm) if tm is not None else None
                     if ck is not None:
                         unmark(marks, ck, bit)
                 held.update(refs)
@@ -297,13 +304,13 @@ class RefRules:
                 gs.meta.clear()
         self.pending.drop_worker(wid)
 
-    def rekey(self, gs: GroupState, h: Hash, old: BlockRecord, new: BlockRecord) -> None:
+    def rekey(self, gs: GroupState, h: Hash, old: Record, new: Record) -> None:
         """``h``'s record changes from ``old`` to ``new`` (an orphan healed, a partial
         tail unkeyed): move its marks on every tier holding it, and its parent link."""
         self.cap.reparent(gs, h, old, new)
-        old_ck, new_ck = old.key, new.key
+        old_ck, new_ck = content_key(old), content_key(new)
         for tier in range(3):
-            if (old.gpu > 0) if tier == 0 else (h in gs.refs[tier]):
+            if (gpu_refs(old) > 0) if tier == 0 else (h in gs.refs[tier]):
                 marks = self.marks[tier]
                 if old_ck is not None:
                     unmark(marks, old_ck, gs.bit)

@@ -10,9 +10,7 @@ original did and goes on applying the same stream.  That works across processes,
 and Python versions because content keys are a stable algorithm
 (:mod:`kvevents.consumers.content`), not CPython's ``hash()``.
 
-The state is the index's own objects, walked generically (a class may write a field in
-another form with ``stored_field(name)`` and read it back in ``restored()``: the
-metadata records are written in their compact stored form): containers are tagged lists
+The state is the index's own objects, walked generically: containers are tagged lists
 (``["d", keys, values]`` for a dict, ...), ints beyond 64 bits (the index packs records
 into wide ints) travel as bytes, so do arrays of numbers (little-endian), and objects of the index package's classes are written
 once and referenced after (several tables share them).  ``schema`` names every class and
@@ -202,9 +200,7 @@ class _Writer:
         extra = None
         if isinstance(v, dict):  # a dict subclass with attributes (counted marks)
             extra = self.enc(dict(v))
-        stored = getattr(v, "stored_field", None)  # (a class may store a field otherwise)
-        values = [getattr(v, f) if stored is None else stored(f) for f in names]
-        return ["n", ref, key, [self.enc(x) for x in values], extra]
+        return ["n", ref, key, [self.enc(getattr(v, f)) for f in names], extra]
 
 
 class _Reader:
@@ -265,9 +261,6 @@ class _Reader:
                 object.__setattr__(obj, name, self.dec(value))
             if extra is not None:
                 dict.update(obj, self.dec(extra))
-            restored = getattr(obj, "restored", None)
-            if restored is not None:
-                restored()
             return obj
         raise ConfigError(f"not a kvevents index snapshot (tag {tag!r})")
 

@@ -32,7 +32,22 @@ from kvevents.consumers.content import (
     root_key,
     split_extras,
 )
-from kvevents.consumers.index.records import BlockRecord, Hash, packs_end, packs_size, plain_hash
+from kvevents.consumers.index.records import (
+    Hash,
+    Record,
+    add_gpu,
+    block_size,
+    chain_key,
+    content_key,
+    end_tokens,
+    gpu_refs,
+    pack,
+    packs_end,
+    packs_size,
+    plain_hash,
+    unkeyed,
+    with_free_link,
+)
 from kvevents.consumers.index.refs import RefRules
 from kvevents.consumers.index.workers import GPU, KEYED_KINDS, TIERS, GroupState, WorkerState
 from kvevents.errors import ConfigError
@@ -105,20 +120,20 @@ class _StoreRun:
         m = gs.meta.get(h)
         if self.free_links and (m is not None or not plain_hash(h)):
             self.free_links = self.link_free = False
-        ck = m.key if m is not None else None
+        ck = content_key(m) if m is not None else None
         if m is None or (ck is None and self.key is not None and self.keyed):
             ck = self.new_record(i, h, m)
         else:
             if self.tier == GPU:  # an LRU touch: to the end of the group's record order
                 del gs.meta[h]
                 gs.meta[h] = m
-            self.key, self.end = m.chain, m.end_tokens
+            self.key, self.end = chain_key(m), end_tokens(m)
         self.parent = h
         fresh = feed.ref(self.w, gs, self.tier, h, ck, free_link=self.link_free)
         self.link_free = self.free_links and fresh
 
-    def new_record(self, i: int, h: Hash, old: BlockRecord | None) -> int | None:
-        """The record of block ``i`` (hash ``h``) with its content key (returned: the key its
+    def new_record(self, i: int, h: Hash, old: Record | None) -> int | None:
+        """Record block ``i`` (hash ``h``) with its content key (returned: the key its
         marks use), keeping the refcount of an orphan's record ``old``, and join the
         placeholders waiting for it."""
         feed, gs, ev = self.feed, self.gs, self.ev
@@ -143,10 +158,11 @@ class _StoreRun:
             feed.stats.skipped["unknown_parent"] += 1
         tokens = tuple(ev.token_ids[start : start + size]) if feed.keep_token_ids else None
         end_blocks = end // size if end is not None else None
-        m = BlockRecord(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain)
-        m.free_link = self.link_free
+        m = pack(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain)
+        if self.link_free:
+            m = with_free_link(m)
         if old is not None:  # an orphan healed: keep its refcount, re-key its residencies
-            m.gpu = old.gpu
+            m = add_gpu(m, gpu_refs(old))
             feed.rekey(gs, h, old, m)
         gs.meta[h] = m
         if self.pending:
@@ -285,7 +301,7 @@ class Stores(RefRules):
             end = 0
         else:
             m = gs.meta.get(parent)
-            key, end = (None, None) if m is None else (m.chain, m.end_tokens)
+            key, end = (None, None) if m is None else (chain_key(m), end_tokens(m))
         if off and keyed:
             if key is not None:
                 try:
@@ -326,7 +342,7 @@ class Stores(RefRules):
         self.stats.self_describing += 1
         self.stats.stored[TIERS[tier]] += 1
         self.observe_tail(w, gs, m)
-        self.ref(w, gs, tier, tail, m.key)
+        self.ref(w, gs, tier, tail, content_key(m))
 
     def store_placeholder(
         self, w: WorkerState, ev: BlockStored, tier: int, tails: Iterable[Hash] | None = None
@@ -350,14 +366,14 @@ class Stores(RefRules):
                 continue
             stats.joined += 1
             self.observe_tail(w, gs, m)
-            self.ref(w, gs, tier, h, m.key)
+            self.ref(w, gs, tier, h, content_key(m))
 
     def join_pending(
-        self, w: WorkerState, gs: GroupState, h: Hash, m: BlockRecord, p: list[int]
+        self, w: WorkerState, gs: GroupState, h: Hash, m: Record, p: list[int]
     ) -> None:
         """The GPU record ``m`` of ``h`` arrived: the placeholders that waited for it
         (``p``: how many per tier) join it now, each one reference on its tier."""
-        ck = m.key
+        ck = content_key(m)
         for tier in (1, 2):
             for _ in range(p[tier]):
                 self.stats.joined += 1
@@ -376,19 +392,19 @@ class Stores(RefRules):
         """The group's block size grew to ``size``: records of smaller blocks were partial
         tails (cache_partial_block) and lose their content key and marks."""
         for h, m in list(gs.meta.items()):
-            if m.size < size and m.key is not None:
-                new = m.unkeyed()
+            if block_size(m) < size and content_key(m) is not None:
+                new = unkeyed(m)
                 self.rekey(gs, h, m, new)
                 gs.meta[h] = new
                 self.stats.skipped["partial_tail"] += 1
 
-    def observe_tail(self, w: WorkerState, gs: GroupState, m: BlockRecord) -> None:
+    def observe_tail(self, w: WorkerState, gs: GroupState, m: Record) -> None:
         """A chunk tail ``m`` was stored on CPU/STORAGE: unless configured, the worker's
         blocks per chunk is the gcd of the block counts at which tails fall."""
         if w.bpc_fixed:
             return
-        end = m.end_tokens
-        size = gs.block_size or m.size
+        end = end_tokens(m)
+        size = gs.block_size or block_size(m)
         if end is None or size <= 0 or end % size:
             return
         bpc = math.gcd(w.bpc, end // size)

@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from kvevents.consumers.index.records import BlockRecord, Hash, StoredRecord
+from kvevents.consumers.index.records import Hash, Record, gpu_refs
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
 __all__ = [
@@ -110,27 +110,16 @@ class GroupState:
         self.window: int | None = None  # kv_cache_spec_sliding_window
         # kind None, prefix-indexable, sliding window or chunked local: compute content keys
         self.indexable_kind = True
-        self.meta: dict[Hash, BlockRecord] = {}
+        self.meta: dict[Hash, Record] = {}
         self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
         self.kids: dict[Hash, int] = {}
         self.deferred: dict[Hash, None] = {}
-
-    def stored_field(self, name: str) -> Any:
-        """Field ``name`` as a snapshot stores it (records in their stored form)."""
-        if name == "meta":
-            return {h: m.encoded() for h, m in self.meta.items()}
-        return getattr(self, name)
-
-    def restored(self) -> None:
-        """After a snapshot's fields are set: the records back from their stored form."""
-        stored: dict[Hash, StoredRecord] = self.meta  # type: ignore[assignment]
-        self.meta = {h: BlockRecord.decoded(v) for h, v in stored.items()}
 
     def held(self, h: Hash) -> bool:
         """Whether any tier holds ``h`` in this group (the entry is resident)."""
         m = self.meta.get(h)
         r = self.refs
-        return (m is not None and m.gpu > 0) or h in r[CPU] or h in r[STORAGE]
+        return (m is not None and gpu_refs(m) > 0) or h in r[CPU] or h in r[STORAGE]
 
     def held_elsewhere(self, h: Hash, tier: int) -> bool:
         """Whether a tier other than ``tier`` holds ``h`` in this group."""
@@ -138,7 +127,7 @@ class GroupState:
         if tier == GPU:
             return h in r[CPU] or h in r[STORAGE]
         m = self.meta.get(h)
-        return (m is not None and m.gpu > 0) or h in r[3 - tier]
+        return (m is not None and gpu_refs(m) > 0) or h in r[3 - tier]
 
 
 class WorkerState:
