@@ -10,9 +10,13 @@ dropped and counted), the subscription has bounded pending limits (a slow consum
 messages are dropped by the client), and a message that does not decode or names an
 engine rank this replica does not know is counted and skipped.
 
-Messages are msgspec MessagePack arrays ``[1, origin, engine, rank, ttl_ms, unit,
-keys]``: ``unit`` is the tokens per content key (the index's canonical block size; a
-replica with another unit skips them), ``keys`` at most :data:`MAX_KEYS` 64-bit keys.
+Messages are msgspec MessagePack arrays ``[1, origin, engine, rank, ttl_ms, unit, keys,
+rid, end]``: ``unit`` is the tokens per content key (the index's canonical block size; a
+replica with another unit skips them), ``keys`` at most :data:`MAX_KEYS` 64-bit keys,
+``rid`` the reservation's id at its origin.  ``end`` 0 is a reservation; 1 says its
+request finished (each replica then confirms it from its own index, or contradicts it
+after the grace), 2 that it never reached its engine (dropped at once); those carry no
+keys.
 
 One job: the exchange.  Imports nats-py when started (the ``jetstream`` extra).
 """
@@ -31,7 +35,7 @@ import msgspec
 
 from kvevents.serve.config import ServeConfig
 from kvevents.serve.fleet import RankState
-from kvevents.serve.reservations import Reservations
+from kvevents.serve.reservations import DROPPED, FINISHED, Reservations
 
 __all__ = ["SUBJECT", "ExchangeStats", "ReservationExchange"]
 
@@ -54,6 +58,8 @@ class _Wire(msgspec.Struct, array_like=True, frozen=True):
     ttl_ms: int
     unit: int
     keys: list[int]
+    rid: int = 0
+    end: int = 0
 
 
 @dataclass
@@ -72,6 +78,8 @@ class ExchangeStats:
     skipped_engine: int = 0
     """An engine rank this replica does not route to."""
     skipped_own: int = 0
+    ends_folded: int = 0
+    """Ends of peers' reservations applied here (finished or dropped)."""
     connects: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -107,6 +115,7 @@ class ReservationExchange:
         )
         ex = cls(url, reservations, name)
         reservations.publish = ex.publish
+        reservations.publish_end = ex.publish_end
         return ex
 
     def gauges(self) -> dict[str, float]:
@@ -176,17 +185,29 @@ class ReservationExchange:
                 logger.debug("reservation exchange: publish failed: %s", exc)
 
     # --- both directions -----------------------------------------------------------------
-    def publish(self, state: RankState, keys: list[int], ttl_s: float) -> None:
-        """Queue a reservation of ``keys`` on ``state`` for the other replicas."""
-        q = self._queue
+    def publish(self, state: RankState, keys: list[int], ttl_s: float, rid: int) -> None:
+        """Queue reservation ``rid`` of ``keys`` on ``state`` for the other replicas."""
         router = self.reservations.router
-        if q is None or router is None or not self.connected.is_set() or len(keys) > MAX_KEYS:
+        if router is None or len(keys) > MAX_KEYS:
             self.stats.publish_dropped += 1
             return
         unit = router.index.canonical_block_size
-        msg = _Wire(
-            _VERSION, self.replica, state.engine.name, state.rank, int(ttl_s * 1000), unit, keys
-        )
+        self._send(
+            _Wire(
+                _VERSION, self.replica, state.engine.name, state.rank, int(ttl_s * 1000),
+                unit, keys, rid,
+            )
+        )  # fmt: skip
+
+    def publish_end(self, rid: int, how: int) -> None:
+        """Queue the end of reservation ``rid`` (``how``: finished or dropped)."""
+        self._send(_Wire(_VERSION, self.replica, "", 0, 0, 0, [], rid, how))
+
+    def _send(self, msg: _Wire) -> None:
+        q = self._queue
+        if q is None or not self.connected.is_set():
+            self.stats.publish_dropped += 1
+            return
         try:
             q.put_nowait(self._encoder.encode(msg))
         except asyncio.QueueFull:
@@ -199,23 +220,29 @@ class ReservationExchange:
         except (msgspec.DecodeError, ValueError, TypeError):
             self.stats.skipped_bad += 1
             return
+        if w.v != _VERSION or w.end not in (0, FINISHED, DROPPED):
+            self.stats.skipped_bad += 1
+            return
+        if w.origin == self.replica:
+            self.stats.skipped_own += 1
+            return
+        if w.end:
+            if self.reservations.fold_end(w.origin, w.rid, w.end):
+                self.stats.ends_folded += 1
+            return
         if (
-            w.v != _VERSION
-            or w.ttl_ms <= 0
+            w.ttl_ms <= 0
             or not w.keys
             or len(w.keys) > MAX_KEYS
             or any(k < 0 or k >= 1 << 64 for k in w.keys)
         ):
             self.stats.skipped_bad += 1
             return
-        if w.origin == self.replica:
-            self.stats.skipped_own += 1
-            return
         router = self.reservations.router
         if router is None or w.unit != router.index.canonical_block_size:
             self.stats.skipped_unit += 1
             return
-        if self.reservations.fold(w.origin, w.engine, w.rank, w.keys, w.ttl_ms / 1000.0):
+        if self.reservations.fold(w.origin, w.engine, w.rank, w.keys, w.ttl_ms / 1000.0, w.rid):
             self.stats.folded += 1
         else:
             self.stats.skipped_engine += 1

@@ -26,12 +26,16 @@ from kvevents.request import RequestKey
 from kvevents.serve.config import ServeConfig
 from kvevents.serve.fleet import Fleet, RankState
 
-__all__ = ["Reservations"]
+__all__ = ["DROPPED", "FINISHED", "Reservations"]
 
 logger = logging.getLogger(__name__)
 
 MAX_ENTRIES = 4096
 """Reservations the overlay holds at most (besides its byte bound)."""
+FINISHED = 1
+"""A request's answer ended (the end of a reservation, as the exchange carries it)."""
+DROPPED = 2
+"""A request never reached its engine."""
 
 
 class Reservations:
@@ -53,8 +57,12 @@ class Reservations:
         )
         self.router: Router | None = None
         """Set by the service: the router whose keys the reservations use."""
-        self.publish: Callable[[RankState, list[int], float], None] | None = None
-        """``(state, keys, ttl_s) -> None``: set by the exchange."""
+        self.publish: Callable[[RankState, list[int], float, int], None] | None = None
+        """``(state, keys, ttl_s, rid) -> None``: set by the exchange."""
+        self.publish_end: Callable[[int, int], None] | None = None
+        """``(rid, how) -> None`` (:data:`FINISHED` or :data:`DROPPED`): set by the
+        exchange."""
+        self._peers: dict[tuple[str, int], int] = {}  # (origin, its rid) -> local rid
         self._ranks = {(st.engine.name, st.rank): st for st in fleet.ranks}
 
     @property
@@ -77,7 +85,7 @@ class Reservations:
             return None
         rid = self.overlay.reserve(self.fleet.worker_id(state), keys)
         if rid is not None and self.publish is not None:
-            self.publish(state, keys, self.overlay.ttl_s)
+            self.publish(state, keys, self.overlay.ttl_s, rid)
         return rid
 
     def finished(self, rid: int | None) -> None:
@@ -86,17 +94,45 @@ class Reservations:
             return
         with self.fleet.lock:
             self.overlay.finished(rid, self.fleet.index)
+        if self.publish_end is not None:
+            self.publish_end(rid, FINISHED)
 
     def dropped(self, rid: int | None) -> None:
         """Reservation ``rid``'s request never reached its engine."""
         if rid is not None:
             self.overlay.cancel(rid)
+            if self.publish_end is not None:
+                self.publish_end(rid, DROPPED)
 
-    def fold(self, origin: str, engine: str, rank: int, keys: list[int], ttl_s: float) -> bool:
+    def fold(
+        self, origin: str, engine: str, rank: int, keys: list[int], ttl_s: float, peer_rid: int
+    ) -> bool:
         """A peer replica's reservation: pending here too, for what is left of its TTL.
         False (nothing taken) for an engine rank this service does not know."""
         state = self._ranks.get((engine, rank))
         if state is None:
             return False
         wid = self.fleet.worker_id(state)
-        return self.overlay.reserve(wid, keys, ttl_s=ttl_s, origin=origin) is not None
+        rid = self.overlay.reserve(wid, keys, ttl_s=ttl_s, origin=origin)
+        if rid is None:
+            return False
+        peers = self._peers
+        peers[(origin, peer_rid)] = rid
+        if len(peers) > 2 * MAX_ENTRIES:  # forget the peers' reservations that ended here
+            live = {r.rid for r in self.overlay.reservations()}
+            self._peers = {k: v for k, v in peers.items() if v in live}
+        return True
+
+    def fold_end(self, origin: str, peer_rid: int, how: int) -> bool:
+        """A peer's request ended (:data:`FINISHED`: confirmed here by the events, or
+        contradicted after the grace; :data:`DROPPED`: it never reached its engine).
+        False when this replica does not hold that reservation."""
+        rid = self._peers.pop((origin, peer_rid), None)
+        if rid is None:
+            return False
+        if how == DROPPED:
+            self.overlay.cancel(rid)
+        else:
+            with self.fleet.lock:
+                self.overlay.finished(rid, self.fleet.index)
+        return True

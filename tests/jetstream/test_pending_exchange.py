@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,3 +150,30 @@ def test_a_sibling_routed_by_one_replica_is_pending_on_the_other(
     status, _, _ = _post(a + "/v1/chat/completions", _chat("fourth question"))
     assert status == 200
     assert _ready(a) and _ready(b)
+
+
+def test_a_request_that_ends_unstored_ends_on_the_other_replica_too(
+    fleet: tuple[list[str], LocalNatsServer],
+) -> None:
+    """The engine refuses the request (its context is too long for the answer asked):
+    its reservation, taken before sending, is contradicted at its origin and the end
+    travels, so the other replica stops crediting it long before its 20 s TTL."""
+    (a, b), _ = fleet
+    body = _chat("too long an answer")
+    body["max_tokens"] = 1_000_000
+    req = urllib.request.Request(
+        a + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400
+    # B heard of it; then of its end: no pending credit left well within the TTL
+    assert wait_until(
+        lambda: "kvevents_pending_exchange_ends_folded_total 1.0" in _get(b + "/metrics"), 10
+    )
+    assert wait_until(lambda: _top(b, "another")["pending"] == 0, 5)
+    metrics = _get(b + "/metrics")
+    assert "kvevents_pending_contradicted_total 1.0" in metrics
+    assert "kvevents_pending_entries 0.0" in metrics
