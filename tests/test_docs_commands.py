@@ -23,12 +23,14 @@ docs/benchmarks.md is left out: its commands are the benchmarks, which CI runs i
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +202,10 @@ CHECKED = [b for b in BLOCKS if b.marker in (CHECK, CHECK_NUMBERS)]
 def test_checked_block_runs_as_shown(block: Block, scratch: tuple[Path, dict[str, str]]) -> None:
     work, env = scratch
     background: list[subprocess.Popen[bytes]] = []
+    # The blocks use the fixed ports a reader would type: two runs of this test on one
+    # machine (worktrees side by side) take turns instead of colliding.
+    lock = open(Path(tempfile.gettempdir()) / "kvevents-docs-commands.lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         for n, step in enumerate(steps(block.body)):
             if step.background:
@@ -244,6 +250,7 @@ def test_checked_block_runs_as_shown(block: Block, scratch: tuple[Path, dict[str
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+        lock.close()  # releases the lock
 
 
 # --- recipes ----------------------------------------------------------------------------

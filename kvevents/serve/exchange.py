@@ -150,7 +150,9 @@ class ReservationExchange:
             self.connected.clear()
 
         async def error(exc: Exception) -> None:
-            logger.warning("reservation exchange: %s", exc)
+            # each failed reconnect lands here; the loss and the return of the server are
+            # said once by the event reader's connection (kvevents.jetstream.connection)
+            logger.debug("reservation exchange: %s", exc)
 
         while self._nc is None:
             try:

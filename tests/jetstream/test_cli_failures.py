@@ -198,3 +198,51 @@ def test_record_from_jetstream_resumes_after_a_server_restart(
     assert "recorded 60 records (60 batches" in err
     summary = kvevents("inspect", str(out), "--summary", "--json")
     assert json.loads(summary.stdout)["batches"] == 60
+
+
+def test_serve_rides_out_a_server_restart(nats_server: LocalNatsServer, engine: Engine) -> None:
+    import urllib.request
+
+    spec = f"e=tcp://127.0.0.1:{engine.port},tcp://127.0.0.1:{engine.replay_port}"
+    relay = popen("relay", "--nats", nats_server.url, "--engine", spec, "-q")
+    serve = None
+    try:
+        engine.publish(20)
+        assert wait_until(lambda: stream_count(nats_server.url) == 20, 60)
+        port = free_port()
+        serve = popen("serve", "--nats", nats_server.url, "--engine", "e=http://127.0.0.1:1",
+                      "--port", str(port))  # fmt: skip
+
+        def batches() -> int:
+            try:
+                url = f"http://127.0.0.1:{port}/workers"
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    body = json.loads(r.read())
+            except OSError:
+                return -1
+            return sum(w["batches"] for w in body["workers"])
+
+        assert wait_until(lambda: batches() == 20, 60)
+        nats_server.stop()
+        nats_server.start()
+        engine.publish(20)
+        assert wait_until(lambda: batches() == 40, 60)  # the reader came back by itself
+    finally:
+        for p in (serve, relay):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        _, err = serve.communicate(timeout=60) if serve is not None else ("", "")
+        relay.communicate(timeout=60)
+    assert_quiet(err)
+    lines = err.splitlines()
+    assert f"kvevents: warning: lost the connection to {nats_server.url}; reconnecting" in lines
+    assert sum(ln.startswith("kvevents: warning: reconnected to ") for ln in lines) == 1
+    # nothing else repeats while the server is away (the engine's HTTP front is absent
+    # in this test: that warning is about it, not about NATS)
+    noise = [
+        ln
+        for ln in lines
+        if "nats" in ln.lower() and "lost the connection" not in ln and "reconnected" not in ln
+    ]
+    assert not noise, err
+    assert not any("reservation exchange" in ln for ln in lines), err
