@@ -588,3 +588,46 @@ def test_a_resume_point_the_ring_left_behind_or_that_differs_starts_over():
     blind: StreamTracker[Item] = StreamTracker(replayable=False)
     blind.resume_at(5, (0, 5))
     assert blind.check_resume() is None and live(blind, 6) == ["D6"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lo=st.integers(0, 40),
+    size=st.integers(1, 20),
+    point=st.integers(0, 70),
+    same=st.booleans(),
+    live_during=st.integers(0, 3),
+)
+def test_a_resume_point_against_any_ring_continues_or_reports_exactly(
+    lo: int, size: int, point: int, same: bool, live_during: int
+):
+    """A resume point ``point`` checked against a ring holding ``lo..hi`` (live batches
+    above ``hi`` may arrive during the check): the stream continues exactly when the ring
+    still holds the point with the same payload, or starts at ``point + 1``; otherwise
+    the gap is reported (loss) or the stream is taken as a new process (restart)."""
+    hi = lo + size - 1
+    t: StreamTracker[Item] = StreamTracker()
+    t.resume_at(point, (0, point) if same else (9, point))
+    req = t.check_resume()
+    assert req is not None and req.start == point
+    # the ring's process: the point's own (epoch 0), or a new one when the ring holds
+    # nothing from the point on or another payload under it
+    epoch = 1 if point > hi or (lo <= point and not same) else 0
+    out: list[str] = []
+    for s in range(hi + 1, hi + 1 + live_during):  # published after the ring was read
+        out += live(t, s, epoch)
+    for s in range(max(point, lo), hi + 1):
+        out += rep(t, req.replay_id, s, epoch)
+    out += kinds(t.replay_end(req.replay_id))
+    delivered = [int(x[1:].rstrip("r")) for x in out if x.startswith("D")]
+    reports = [x for x in out if ":" in x and not x.startswith("drop:")]
+    if epoch:
+        # nothing from the point on, or another payload under it: a new process
+        assert reports and reports[0].startswith(PUBLISHER_RESTART)
+        return
+    newest = hi + live_during
+    if point + 1 >= lo:  # the ring still holds what follows the point
+        assert reports == [] and delivered == list(range(point + 1, newest + 1))
+    else:  # the ring moved past it: what it no longer holds is lost, the rest follows
+        assert reports == [f"{UNRECOVERABLE_LOSS}:{point + 1}-{lo - 1}"]
+        assert delivered == list(range(lo, newest + 1))
