@@ -1,0 +1,51 @@
+"""Exercise every entry point of kvevents_native on small random inputs, for a run under
+the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
+mutations, the content keys, the walk and the assembly.  Checks nothing itself; the
+sanitizers do."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import kvevents_native as kn
+
+from kvevents.consumers.router.match import Match
+
+rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 33)
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+golden = Path(__file__).resolve().parents[2] / "tests" / "golden" / "vllm-wire-vectors.jsonl"
+corpus = [bytes.fromhex(json.loads(line)["payload_hex"]) for line in golden.open()]
+
+for i in range(rounds):
+    p = bytearray(corpus[i % len(corpus)])
+    for _ in range(rng.randrange(3)):
+        if p:
+            p[rng.randrange(len(p))] = rng.randrange(256)
+    if rng.random() < 0.3:
+        del p[rng.randrange(len(p) + 1) :]
+    parsed = kn.parse_batch(bytes(p))
+    if parsed is not None:
+        for j in range(len(parsed)):
+            parsed.event(j)
+            parsed.block_keys(j, rng.getrandbits(64), rng.choice([1, 2, 16]))
+
+for _ in range(rounds):
+    toks = [rng.randrange(-(2**63), 2**63) for _ in range(rng.randrange(80))]
+    kn.prompt_keys(toks, rng.choice([1, 3, 16]), rng.getrandbits(64))
+    nslots = rng.choice([3, 64, 65, 130])
+    keys = [rng.getrandbits(64) for _ in range(rng.randrange(20))]
+    marks = {k: rng.getrandbits(nslots) for k in keys if rng.random() < 0.8}
+    step = rng.choice([1, 2])
+    end = [0] * (nslots + 1)
+    starts = {step * rng.randrange(1, 10): rng.getrandbits(nslots) for _ in range(rng.randrange(3))}
+    nxt = [(rng.choice([1, 2, 4]), rng.getrandbits(nslots)) for _ in range(rng.randrange(3))]
+    kn.walk(keys, marks.get, step, 16, rng.getrandbits(nslots), starts, rng.getrandbits(nslots),
+            end, [0] + [1 << s for s in range(nslots)], nxt)
+    lay = SimpleNamespace(nslots=nslots, pos_wids=[None] + [("w", s) for s in range(nslots)])
+    cpu = [e + rng.randrange(3) for e in end]
+    kn.assembler(Match)(lay, end, cpu, None, rng.choice([-1, rng.getrandbits(nslots)]))
+print(f"exercised {rounds} rounds")
