@@ -6,7 +6,7 @@ imports only :mod:`kvevents.errors` and :mod:`kvevents.endpoints` (whose
 :func:`offset_endpoint` it re-exports).
 
 One engine is one publisher of KV events (one vLLM API server), written
-``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]``:
+``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]``:
 
 * ``NAME`` matches ``[A-Za-z0-9_-]+`` (it is also a NATS subject token);
 * ``HTTP_URL`` (``http://`` or ``https://``) is where its OpenAI server answers; commands
@@ -18,7 +18,11 @@ One engine is one publisher of KV events (one vLLM API server), written
 * ``;dp=N`` says the engine runs ``N`` data-parallel ranks; rank ``r`` publishes on the
   endpoints offset by vLLM's rule (:func:`~kvevents.endpoints.offset_endpoint`: tcp port + r) and takes
   requests on the same HTTP URL with the ``X-data-parallel-rank: r`` header;
-* ``;topic=T`` subscribes to topic ``T`` only (several engines behind one proxy).
+* ``;topic=T`` subscribes to topic ``T`` only (several engines behind one proxy);
+* ``;role=R`` is what ``kvevents serve`` sends it in a prefill/decode disaggregated fleet:
+  ``prefill`` (the first step of a disaggregated request), ``decode`` (the second, fed the
+  prefill engine's KV through vLLM's KV connector) or ``both`` (the default: whole
+  requests; see :data:`ROLES`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from kvevents.endpoints import offset_endpoint
 from kvevents.errors import ConfigError
 
-__all__ = ["ENGINE_NAME_RE", "EngineSpec", "offset_endpoint", "parse_engine_spec"]
+__all__ = ["ENGINE_NAME_RE", "ROLES", "EngineSpec", "offset_endpoint", "parse_engine_spec"]
 
 ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+\Z")
 """What an engine name may contain."""
@@ -40,13 +44,16 @@ HTTP_SCHEMES = ("http://", "https://")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 """The ZMQ transports an events or replay endpoint may use."""
 
-USAGE = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]"
+ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+"""An engine's role in a prefill/decode disaggregated fleet (``both``: whole requests)."""
+
+USAGE = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]"
 """The one-line form of an engine spec, quoted by every parse error."""
 
 
 @dataclass(frozen=True, init=False)
 class EngineSpec:
-    """One engine: its name, HTTP front, event endpoints, DP ranks and topic.
+    """One engine: its name, HTTP front, event endpoints, DP ranks, topic and role.
 
     * ``name``: matches :data:`ENGINE_NAME_RE`;
     * ``http_url``: its OpenAI server's base URL, ``http(s)://``, stored without a
@@ -55,7 +62,8 @@ class EngineSpec:
       e.g. JetStream); ``replay_endpoint``: its replay ROUTER endpoint (None: no replay;
       needs an events endpoint);
     * ``dp_size``: how many data-parallel ranks publish at offset endpoints (≥ 1);
-    * ``topic``: the topic prefix subscribed to (``""``: all).
+    * ``topic``: the topic prefix subscribed to (``""``: all);
+    * ``role``: one of :data:`ROLES` (``both`` by default).
 
     Every check raises :class:`ConfigError` (a ``ValueError``).  An empty endpoint or
     URL string means "not given".
@@ -67,6 +75,7 @@ class EngineSpec:
     replay_endpoint: str | None
     dp_size: int
     topic: str
+    role: str
 
     def __init__(
         self,
@@ -76,6 +85,7 @@ class EngineSpec:
         replay_endpoint: str | None = None,
         dp_size: int = 1,
         topic: str = "",
+        role: str = "both",
     ) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "http_url", http_url.rstrip("/") if http_url else None)
@@ -83,6 +93,7 @@ class EngineSpec:
         object.__setattr__(self, "replay_endpoint", replay_endpoint or None)
         object.__setattr__(self, "dp_size", dp_size)
         object.__setattr__(self, "topic", topic)
+        object.__setattr__(self, "role", role)
         self._check()
 
     def _check(self) -> None:
@@ -105,6 +116,10 @@ class EngineSpec:
             raise ConfigError(f"engine {self.name}: dp must be an integer, not {self.dp_size!r}")
         if self.dp_size < 1:
             raise ConfigError(f"engine {self.name}: dp must be >= 1, not {self.dp_size}")
+        if self.role not in ROLES:
+            raise ConfigError(
+                f"engine {self.name}: role must be one of {', '.join(ROLES)}, not {self.role!r}"
+            )
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(f"engine {self.name}: a replay endpoint needs an events endpoint")
 
@@ -136,13 +151,16 @@ class EngineSpec:
             out += f";dp={self.dp_size}"
         if self.topic:
             out += f";topic={self.topic}"
+        if self.role != "both":
+            out += f";role={self.role}"
         return out
 
 
 def parse_engine_spec(
     text: str, *, require_http: bool = False, require_events: bool = False
 ) -> EngineSpec:
-    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T]`` (see the module docstring).
+    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T][;role=R]`` (see the module
+    docstring).
 
     ``require_http`` / ``require_events`` make the HTTP URL / events endpoint mandatory.
     Raises :class:`ConfigError` with one line saying what is wrong.
@@ -152,7 +170,7 @@ def parse_engine_spec(
     if not sep or not name:
         raise ConfigError(f"engine {text!r}: {USAGE}")
     main, *options = rest.split(";")
-    dp, topic = 1, ""
+    dp, topic, role = 1, "", "both"
     for opt in options:
         key, eq, value = opt.partition("=")
         key = key.strip()
@@ -162,8 +180,12 @@ def parse_engine_spec(
             dp = int(value)
         elif key == "topic" and eq:
             topic = value
+        elif key == "role" and eq:
+            role = value.strip()
         else:
-            raise ConfigError(f"engine {name}: unknown option {opt!r} (known: dp=N, topic=T)")
+            raise ConfigError(
+                f"engine {name}: unknown option {opt!r} (known: dp=N, topic=T, role=R)"
+            )
     parts = [p.strip() for p in main.split(",") if p.strip()]
     http: str | None = None
     if parts and parts[0].startswith(HTTP_SCHEMES):
@@ -183,4 +205,4 @@ def parse_engine_spec(
         raise ConfigError(f"engine {name}: missing the events endpoint (tcp://HOST:PORT); {USAGE}")
     if http is None and events is None:
         raise ConfigError(f"engine {text!r}: {USAGE}")
-    return EngineSpec(name, http, events, replay, dp, topic)
+    return EngineSpec(name, http, events, replay, dp, topic, role)

@@ -11,11 +11,17 @@ Routes:
   bytes flowed, a broken upstream is counted (and, in an SSE stream, reported as a last
   ``data: {"error": ...}`` event).  When the answer carries
   ``usage.prompt_tokens_details.cached_tokens``, the prediction is checked against it.
-* ``GET /v1/models``: the engines' model lists merged (by id).
+* ``GET /v1/models``: the engines' model lists merged (by id); each card adds
+  ``kvevents_engines``: the engines that serve it, with their roles.
 * ``POST /route``: the same plan as the OpenAI routes (the same checks and the same
   key) without forwarding: ``{"tokens": N, "ranked": [{"engine", "rank", "gpu", "cpu",
   "storage", "pending", "load", "cost"}, ...]}`` best first (``pending``: tokens the
-  service just routed there, not yet confirmed by the engine's events).
+  service just routed there, not yet confirmed by the engine's events), with the path
+  chosen: ``disaggregated``, ``reason``, ``prefill`` (the prefill step's rank, or null)
+  and ``decode`` (the rank that decodes, or serves the request whole).
+* In a fleet with ``prefill`` and ``decode`` engines, a request may run as two steps in
+  vLLM's KV-connector protocol (:mod:`~kvevents.serve.disagg`); the answer then has
+  ``x-kvevents-prefill: NAME:RANK`` besides ``x-kvevents-worker``.
 * ``GET /workers``, ``GET /metrics``, ``GET /healthz``, ``GET /readyz`` (200 once every
   rank has caught up and every up engine's index is complete, unless
   ``ready_when_incomplete``), and the dashboard at ``GET /``.
@@ -55,6 +61,7 @@ from starlette.routing import Route
 from kvevents.capture import CaptureWriter
 from kvevents.serve.bootstrap import SNAPSHOT_MEDIA_TYPE, fetch_snapshot, is_loopback
 from kvevents.serve.config import ServeConfig
+from kvevents.serve.disagg import Disaggregator
 from kvevents.serve.exchange import ReservationExchange
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.plan import Planner
@@ -115,8 +122,9 @@ class ServeApp:
         self.upstream = EngineClients(config, self.fleet, self.loads, self.metrics)
         local = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self.planner = Planner(self.fleet, self.policy, self.upstream, local)
+        self.disagg = Disaggregator(config.policy, config.pd_min_uncached_tokens, config.seed)
         self.forwarder = Forwarder(
-            self.fleet, self.loads, self.metrics, self.upstream.clients, self.planner
+            self.fleet, self.loads, self.metrics, self.upstream.clients, self.planner, self.disagg
         )
         if res is not None:
             res.router = self.policy.router
@@ -192,7 +200,16 @@ class ServeApp:
                 merged.setdefault(c["id"], c)
         if not merged:
             merged = dict(self.upstream.models)
-        return JSONResponse({"object": "list", "data": list(merged.values())})
+        roles = {s.name: s.role for s in self.config.engines}
+        data = []
+        for mid, card in merged.items():
+            serving = {
+                name: roles[name]
+                for name, ids in self.upstream.engine_models.items()
+                if mid in ids and name in roles
+            }
+            data.append({**card, "kvevents_engines": serving})
+        return JSONResponse({"object": "list", "data": data})
 
     # --- service routes ------------------------------------------------------------------------
     async def _route(self, request: Request) -> Response:
@@ -202,7 +219,11 @@ class ServeApp:
             return self.forwarder.refuse("/route", exc)
         self.metrics.requests.labels("/route", "200").inc()
         ranked = [r.as_json() for r in plan.ranked]
-        return JSONResponse({"tokens": len(plan.tokens), "ranked": ranked})
+        route = self.disagg.route(plan) if plan.ranked else None
+        body: dict[str, Any] = {"tokens": len(plan.tokens), "ranked": ranked}
+        if route is not None:
+            body.update(route.as_json())
+        return JSONResponse(body)
 
     async def _workers(self, request: Request) -> Response:
         return JSONResponse(self.report.workers_json())

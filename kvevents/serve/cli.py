@@ -91,7 +91,8 @@ def add_parsers(sub: Any) -> None:
         "--engine",
         action="append",
         metavar="SPEC",
-        help="NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T] (repeatable)",
+        help="NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R] "
+        "(repeatable; R: both (default), prefill or decode)",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with [[engine]] tables and options")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -162,6 +163,14 @@ def add_parsers(sub: Any) -> None:
         help="NATS server replicas exchange their reservations on (default: --nats)",
     )
     p.add_argument("--replica", metavar="NAME", help="this replica's name on the exchange")
+    p.add_argument(
+        "--pd-min-uncached-tokens",
+        type=int,
+        metavar="N",
+        help="with prefill and decode engines, disaggregate a request only when the best "
+        "prefill engine would compute at least N prompt tokens; shorter work is served "
+        "whole by a decode-capable engine (256)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=_cmd_serve)
@@ -176,7 +185,18 @@ def add_parsers(sub: Any) -> None:
         "'--engine sim-I=http://...,tcp://...,tcp://...' line per engine (for kvevents "
         "serve); run until SIGINT/SIGTERM.",
     )
-    q.add_argument("--engines", type=int, default=1, help="number of engines (1)")
+    q.add_argument(
+        "--engines",
+        type=int,
+        help="number of engines of role both (1, or 0 with --prefill/--decode)",
+    )
+    q.add_argument(
+        "--prefill", type=int, default=0, metavar="N", help="engines of role prefill (0)"
+    )
+    q.add_argument("--decode", type=int, default=0, metavar="M", help="engines of role decode (0)")
+    q.add_argument(
+        "--name-prefix", default="", metavar="P", help="prefix of every engine name ('')"
+    )
     q.add_argument("--host", default="127.0.0.1", help="HTTP address (127.0.0.1)")
     q.add_argument("--http-port", type=int, metavar="BASE", help="engine I listens on BASE+I")
     q.add_argument(

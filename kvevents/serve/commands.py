@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ),
             "pending_nats": args.pending_nats,
             "replica": args.replica,
+            "pd_min_uncached_tokens": args.pd_min_uncached_tokens,
         },
     )
     service = ServeApp(config)
@@ -132,8 +133,12 @@ def cmd_sim_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        split = bool(args.prefill or args.decode)
         await run_sim_fleet(
-            args.engines,
+            args.engines if args.engines is not None else (0 if split else 1),
+            prefill=args.prefill,
+            decode=args.decode,
+            prefix=args.name_prefix,
             config=config,
             host=args.host,
             http_base=args.http_port,

@@ -1,9 +1,9 @@
 """Configuration of ``kvevents serve``: the engines and the service options.
 
 An engine is named on the command line as
-``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T]`` (repeatable), in a
-TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``, ``replay``, ``dp``,
-``topic``; service options at the top level or under ``[serve]``), and overridden by the
+``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]`` (repeatable),
+in a TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``, ``replay``,
+``dp``, ``topic``, ``role``; service options at the top level or under ``[serve]``), and overridden by the
 environment (``KVEVENTS_SERVE_HOST``, ``KVEVENTS_SERVE_PORT``, ``KVEVENTS_SERVE_POLICY``,
 ``KVEVENTS_SERVE_ENGINES``: engine specs separated by whitespace).
 
@@ -60,6 +60,9 @@ class ServeConfig:
       service listening on loopback answers it).
     * ``ready_when_incomplete``: ``/readyz`` does not wait for every engine's index to be
       complete.
+    * ``pd_min_uncached_tokens``: in a fleet with ``prefill`` and ``decode`` engines, a
+      request is disaggregated only when the best prefill engine would compute at least
+      this many prompt tokens; shorter work is served whole by a decode-capable engine.
     """
 
     engines: tuple[EngineSpec, ...] = ()
@@ -96,6 +99,7 @@ class ServeConfig:
     this service sees only its own)."""
     replica: str | None = None
     """This replica's name on the exchange (default: host:port and a random suffix)."""
+    pd_min_uncached_tokens: int = 256
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unusable configuration."""
@@ -128,6 +132,8 @@ class ServeConfig:
             raise ConfigError("--bootstrap-from follows ZMQ streams: not with --nats")
         if not (0 <= self.pending_weight < float("inf")) or not self.pending_ttl_s > 0:
             raise ConfigError("pending_weight must be >= 0 and finite, pending_ttl_s > 0")
+        if self.pd_min_uncached_tokens < 0:
+            raise ConfigError("pd_min_uncached_tokens must be >= 0")
         if self.pending_max_bytes < 1 << 16:
             raise ConfigError("pending_max_bytes must be >= 65536")
 
@@ -156,6 +162,7 @@ _OPTION_TYPES: dict[str, type] = {
     "pending_max_bytes": int,
     "pending_nats": str,
     "replica": str,
+    "pd_min_uncached_tokens": int,
 }
 
 _ENV = {
@@ -210,10 +217,10 @@ def _coerce(key: str, value: Any, where: str) -> Any:
 def _engine_from_table(t: Any, where: str) -> EngineSpec:
     if not isinstance(t, Mapping):
         raise ConfigError(f"{where}: each [[engine]] must be a table")
-    unknown = set(t) - {"name", "url", "events", "replay", "dp", "topic"}
+    unknown = set(t) - {"name", "url", "events", "replay", "dp", "topic", "role"}
     if unknown or not {"name", "url", "events"} <= set(t):
         raise ConfigError(
-            f"{where}: [[engine]] needs name, url, events (optional replay, dp, topic); "
+            f"{where}: [[engine]] needs name, url, events (optional replay, dp, topic, role); "
             f"unknown keys: {sorted(unknown)}"
         )
     try:
@@ -224,6 +231,7 @@ def _engine_from_table(t: Any, where: str) -> EngineSpec:
             str(t["replay"]) if t.get("replay") else None,
             int(t.get("dp", 1)),
             str(t.get("topic", "")),
+            str(t.get("role", "both")),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

@@ -1,6 +1,10 @@
 """Forwarding one OpenAI request: pick the best engine rank, send the body unchanged,
 stream the answer back byte for byte, fail over when an engine is gone before it
-answered, and check the prediction against the ``cached_tokens`` it reports.
+answered, and check the prediction against the ``cached_tokens`` it reports.  A request
+split into prefill and decode steps (:mod:`~kvevents.serve.disagg`) is sent twice: the
+prefill step to a prefill engine, then the decode step, whose answer is streamed back
+with ``x-kvevents-prefill`` and ``x-kvevents-worker`` naming the two ranks; the prefill
+step's ``cached_tokens`` is what gets checked.
 
 One job: the ``/v1/completions`` and ``/v1/chat/completions`` path.  Imports httpx and
 Starlette (the ``serve`` extra), the fleet, routing, telemetry, answers and plan rooms: a
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,8 +33,9 @@ from kvevents.serve.answers import (
     cached_tokens,
     error_body,
 )
-from kvevents.serve.fleet import Fleet
-from kvevents.serve.plan import Planner
+from kvevents.serve.disagg import Disaggregator, answer_params, decode_body, prefill_body
+from kvevents.serve.fleet import Fleet, RankState
+from kvevents.serve.plan import Planner, RequestPlan
 from kvevents.serve.reservations import Reservations
 from kvevents.serve.routing import LoadTracker, Ranked
 from kvevents.serve.telemetry import ServeMetrics
@@ -63,6 +69,8 @@ class RankStats:
     pending_under: int = 0
     """Checks with pending credit where the engine reused more than confirmed + pending."""
     pending_under_tokens: int = 0
+    prefills: int = 0
+    """Prefill steps of disaggregated requests it answered (part of ``routed``)."""
 
 
 class Forwarder:
@@ -80,12 +88,15 @@ class Forwarder:
         metrics: ServeMetrics,
         clients: dict[str, httpx.AsyncClient],
         planner: Planner,
+        disagg: Disaggregator | None = None,
     ) -> None:
         self.fleet = fleet
         self.loads = loads
         self.metrics = metrics
         self.clients = clients
         self.planner = planner
+        self.disagg = disagg or Disaggregator(planner.policy.policy, 0)
+        """Decides whether a request is split into prefill and decode steps."""
         self.rank_stats: dict[str, RankStats] = {st.label: RankStats() for st in fleet.ranks}
         self.requests_total = 0
         self.reservations: Reservations | None = None
@@ -105,7 +116,12 @@ class Forwarder:
     async def proxy(self, request: Request, path: str, *, chat: bool) -> Response:
         """Forward ``request`` (a POST to ``path``) to the best rank that is up; a rank
         whose engine refuses or drops the connection before answering is marked down
-        and the next one is tried; 503 when none is left."""
+        and the next one is tried; 503 when none is left.
+
+        A request the :class:`~kvevents.serve.disagg.Disaggregator` splits runs in two
+        steps: the prefill step (:meth:`_prefill`), then the decode step with the
+        prefill answer's ``kv_transfer_params``, whose answer is streamed back.  When
+        every prefill candidate fails, the request is served whole."""
         t0 = time.perf_counter()
         self.requests_total += 1
         try:
@@ -115,17 +131,129 @@ class Forwarder:
         self.metrics.overhead.observe(time.perf_counter() - t0)
         if not plan.ranked:
             return self.error(path, "no engine is available", 503)
-        raw, tokens = plan.raw, plan.tokens
         headers = {
             k: v
             for k, v in request.headers.items()
             if k.lower() not in HOP_HEADERS
             and k.lower() not in ("accept-encoding", "x-data-parallel-rank")
         }
+        route = self.disagg.route(plan)
+        raw, cands, check = plan.raw, route.decode, True
+        extra: dict[str, str] = {}
+        if route.disaggregated:
+            try:
+                step = await self._prefill(plan, route.prefill, headers, path)
+            except BadRequest as exc:
+                return self.refuse(path, exc)
+            if isinstance(step, Response):
+                return step
+            if step is None:
+                # every prefill engine failed before answering: served whole
+                self.metrics.pd_requests.labels("prefill_failed").inc()
+                cands = route.whole
+            else:
+                cand, params, cached = step
+                extra["x-kvevents-prefill"] = cand.state.label
+                if cached is not None:
+                    extra["x-kvevents-prefill-cached-tokens"] = str(cached)
+                if params is not None:
+                    raw, check = decode_body(plan.raw, params), False
+                    self.metrics.pd_requests.labels("disaggregated").inc()
+                else:
+                    # no connector answered: the decode engine computes the prompt itself
+                    self.metrics.pd_requests.labels("no_transfer_params").inc()
+        else:
+            self.metrics.pd_requests.labels(route.reason).inc()
+        return await self._forward(plan, cands, raw, headers, path, t0, check, extra)
+
+    async def _prefill(
+        self, plan: RequestPlan, cands: list[Ranked], headers: dict[str, str], path: str
+    ) -> tuple[Ranked, msgspec.Raw | None, int | None] | Response | None:
+        """Run the prefill step on the first of ``cands`` that answers: ``(rank, the
+        answer's kv_transfer_params, its cached_tokens)``; the engine's own answer when
+        it is not a 200 (passed back to the client); None when every candidate failed
+        before answering (each marked down)."""
+        body = prefill_body(plan.raw)
+        n = len(plan.tokens)
+        for cand in cands:
+            st = cand.state
+            name = st.engine.name
+            if not self.fleet.is_up(name):
+                continue
+            h = dict(headers)
+            if st.rank > 0:
+                h["X-data-parallel-rank"] = str(st.rank)
+            uncached = max(0, n - cand.match.total - cand.pending)
+            self.loads.started(st.label, uncached)
+            res = self.reservations
+            rid = res.reserve(plan.key, st) if res is not None else None
+            client = self.clients[name]
+            try:
+                resp = await client.post(st.engine.http_base() + path, content=body, headers=h)
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+            ) as exc:
+                if res is not None:
+                    res.dropped(rid)
+                self._failed(st, path, exc, uncached)
+                self.fleet.mark_down(name, f"{path} (prefill): {type(exc).__name__}")
+                self.metrics.retries.inc()
+                continue
+            except httpx.HTTPError as exc:
+                if res is not None:
+                    res.finished(rid)
+                self._failed(st, path, exc, uncached)
+                status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+                return self.error(
+                    path, f"prefill engine {name} failed: {type(exc).__name__}", status
+                )
+            self.loads.answered(st.label, uncached)
+            self.loads.finished(st.label)
+            if res is not None:
+                res.finished(rid)
+            self.metrics.routed.labels(name, str(st.rank)).inc()
+            stats = self.rank_stats[st.label]
+            stats.routed += 1
+            stats.prefills += 1
+            if resp.status_code != 200:
+                self.metrics.requests.labels(path, str(resp.status_code)).inc()
+                out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+                out["x-kvevents-prefill"] = st.label
+                return Response(resp.content, status_code=resp.status_code, headers=out)
+            self.check_truth(cand, resp.content, False)
+            return cand, answer_params(resp.content), cached_tokens(resp.content, False)
+        return None
+
+    def _failed(self, st: RankState, path: str, exc: Exception, uncached: int) -> None:
+        """Count an upstream call to ``st`` that failed before answering (its load,
+        ``uncached`` prompt tokens, released)."""
+        self.loads.answered(st.label, uncached)
+        self.loads.finished(st.label)
+        self.metrics.upstream_errors.labels(st.engine.name, type(exc).__name__).inc()
+        self.rank_stats[st.label].errors += 1
+
+    async def _forward(
+        self,
+        plan: RequestPlan,
+        cands: list[Ranked],
+        raw: bytes,
+        headers: dict[str, str],
+        path: str,
+        t0: float,
+        check: bool,
+        extra: dict[str, str],
+    ) -> Response:
+        """Send ``raw`` to the first of ``cands`` that answers and stream its answer
+        back (the whole request, or a decode step when ``check`` is False: its
+        ``cached_tokens`` count the transferred prefix, so it is not checked)."""
+        tokens = plan.tokens
         tried: set[str] = set()
         stream = plan.stream
         last_error = "no engine is available"
-        for cand in plan.ranked:
+        for cand in cands:
             st = cand.state
             name = st.engine.name
             if name in tried or not self.fleet.is_up(name):
@@ -133,7 +261,7 @@ class Forwarder:
             h = dict(headers)
             if st.rank > 0:
                 h["X-data-parallel-rank"] = str(st.rank)
-            uncached = max(0, len(tokens) - cand.match.total - cand.pending)
+            uncached = max(0, len(tokens) - cand.match.total - cand.pending) if check else 0
             self.loads.started(st.label, uncached)
             res = self.reservations
             rid = res.reserve(plan.key, st) if res is not None else None
@@ -150,10 +278,7 @@ class Forwarder:
                 # nothing was answered: the engine is gone; try the next one
                 if res is not None:
                     res.dropped(rid)
-                self.loads.answered(st.label, uncached)
-                self.loads.finished(st.label)
-                self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
-                self.rank_stats[st.label].errors += 1
+                self._failed(st, path, exc, uncached)
                 self.fleet.mark_down(name, f"{path}: {type(exc).__name__}")
                 self.metrics.retries.inc()
                 tried.add(name)
@@ -162,18 +287,16 @@ class Forwarder:
             except httpx.HTTPError as exc:
                 if res is not None:
                     res.finished(rid)
-                self.loads.answered(st.label, uncached)
-                self.loads.finished(st.label)
-                self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
-                self.rank_stats[st.label].errors += 1
+                self._failed(st, path, exc, uncached)
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
                 return self.error(path, f"engine {name} failed: {type(exc).__name__}", status)
             self.metrics.routed.labels(name, str(st.rank)).inc()
             self.rank_stats[st.label].routed += 1
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers["x-kvevents-worker"] = st.label
+            out_headers.update(extra)
             return StreamingResponse(
-                self._relay(resp, cand, len(tokens), uncached, t0, path, stream, rid),
+                self._relay(resp, cand, len(tokens), uncached, t0, path, stream, rid, check),
                 status_code=resp.status_code,
                 headers=out_headers,
             )
@@ -189,6 +312,7 @@ class Forwarder:
         path: str,
         stream: bool,
         rid: int | None = None,
+        check: bool = True,
     ) -> AsyncIterator[bytes]:
         st = cand.state
         label = st.label
@@ -233,7 +357,7 @@ class Forwarder:
             self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
             status = resp.status_code if ok else (499 if gone else 502)
             self.metrics.requests.labels(path, str(status)).inc()
-            if ok and resp.status_code == 200:
+            if ok and resp.status_code == 200 and check:
                 self.check_truth(cand, bytes(buf), stream)
 
     def check_truth(self, cand: Ranked, body: bytes, stream: bool) -> None:
@@ -277,3 +401,7 @@ class Forwarder:
         m.pred_outcome.labels(name, outcome).inc()
         m.predicted_tokens.labels(name).inc(predicted)
         m.reported_tokens.labels(name).inc(reported)
+        role = st.engine.role
+        m.role_predictions.labels(role, outcome).inc()
+        m.role_predicted_tokens.labels(role).inc(predicted)
+        m.role_reported_tokens.labels(role).inc(reported)

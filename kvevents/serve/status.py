@@ -1,5 +1,7 @@
-"""What ``GET /workers`` (and the dashboard) shows: per engine rank, its stream, its
-index holdings, its load and gauges, and the online truth check; and the per-rank gauges
+"""What ``GET /workers`` (and the dashboard) shows: per engine rank, its role, its
+stream, its index holdings, its load and gauges, and the online truth check (and, in
+``roles``, the truth check summed per role: a prefill engine's checks are its prefill
+steps'); and the per-rank gauges
 of ``GET /metrics`` refreshed on the way.
 
 One job: the status report.  Reads the fleet, the load tracker, the engine clients'
@@ -82,6 +84,7 @@ class WorkersReport:
                     "worker": st.label,
                     "engine": st.engine.name,
                     "rank": st.rank,
+                    "role": st.engine.role,
                     "url": st.engine.http_base(),
                     "events_endpoint": st.events_endpoint,
                     "replay_endpoint": st.replay_endpoint,
@@ -116,6 +119,7 @@ class WorkersReport:
                     "load": round(self.loads.load(st.label), 1),
                     "engine_gauges": self.upstream.gauges.get(st.label, {}),
                     "routed": rs.routed,
+                    "prefills": rs.prefills,
                     "predicted_cached_tokens": rs.predicted,
                     "reported_cached_tokens": rs.reported,
                     "truth": {
@@ -134,8 +138,27 @@ class WorkersReport:
             self.metrics.load.labels(st.engine.name, str(st.rank)).set(self.loads.load(st.label))
         for spec in self.config.engines:
             self.metrics.engine_up.labels(spec.name).set(1 if self.fleet.is_up(spec.name) else 0)
+        roles: dict[str, dict[str, int]] = {}
+        for st in self.fleet.ranks:
+            rs = self.forwarder.rank_stats[st.label]
+            agg = roles.setdefault(
+                st.engine.role,
+                dict.fromkeys(
+                    ("workers", "routed", "prefills", "predicted_cached_tokens",
+                     "reported_cached_tokens", "exact", "over", "under", "unchecked"),
+                    0,
+                ),
+            )  # fmt: skip
+            agg["workers"] += 1
+            agg["routed"] += rs.routed
+            agg["prefills"] += rs.prefills
+            agg["predicted_cached_tokens"] += rs.predicted
+            agg["reported_cached_tokens"] += rs.reported
+            for k in ("exact", "over", "under", "unchecked"):
+                agg[k] += getattr(rs, k)
         return {
             "time": now,
+            "roles": roles,
             "uptime_s": round(now - self.started, 1),
             "policy": self.config.policy,
             "core": core_name(),

@@ -99,6 +99,25 @@ class ServeMetrics:
             "over: pending credit not reused, under)",
             ["engine", "outcome"], registry=r,
         )  # fmt: skip
+        self.role_predictions = Counter(
+            f"{ns}_role_predictions",
+            "Truth checks by engine role (prefill steps on prefill engines) and outcome",
+            ["role", "outcome"], registry=r,
+        )  # fmt: skip
+        self.role_predicted_tokens = Counter(
+            f"{ns}_role_predicted_cached_tokens", "Cached prompt tokens predicted, by role",
+            ["role"], registry=r,
+        )  # fmt: skip
+        self.role_reported_tokens = Counter(
+            f"{ns}_role_reported_cached_tokens", "Cached prompt tokens reported, by role",
+            ["role"], registry=r,
+        )  # fmt: skip
+        self.pd_requests = Counter(
+            f"{ns}_pd_requests",
+            "Requests by path: disaggregated, or served whole and why (short, no_decode, "
+            "no_prefill, unsplit, prefill_failed, no_transfer_params)",
+            ["path"], registry=r,
+        )  # fmt: skip
         self.unchecked = Counter(
             f"{ns}_truth_unchecked", "Answered requests without cached_tokens in their usage",
             ["engine"], registry=r,

@@ -88,7 +88,9 @@ class SimRequest:
     tokens the engine will generate for it.  ``turn`` counts from 0 within ``session``.
     ``lora_name``, ``cache_salt``, ``mm_features`` (offset-sorted placeholder ranges in
     the prompt) and ``prompt_embeds`` (one ``bytes`` row per prompt token) are what vLLM
-    keys blocks by besides tokens.
+    keys blocks by besides tokens.  ``remote_tokens`` is how many prompt tokens' KV a
+    remote prefill engine computed for it (a disaggregated decode: the engine receives
+    those instead of computing them, as vLLM's KV connector fills them).
     """
 
     request_id: str
@@ -101,6 +103,7 @@ class SimRequest:
     cache_salt: str | None = None
     mm_features: tuple[MMFeature, ...] = ()
     prompt_embeds: tuple[bytes, ...] | None = None
+    remote_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

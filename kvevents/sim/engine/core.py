@@ -229,6 +229,10 @@ class SimEngine:
             mismatches = self.offload.verify_blocks(digests, run.blocks, gpu_hit, cpu_end)
             self.stats.load_mismatches += mismatches
         run.gpu_hit, run.cpu_hit = gpu_hit, cpu_end - gpu_hit
+        # a disaggregated decode: the connector fills the prompt's blocks past the local
+        # hit with the remote prefill's KV (all but the last prompt token, which the
+        # engine computes); they are cached below like computed ones
+        run.remote = max(0, min(req.remote_tokens, n - 1) - cpu_end)
         run.admitted_step = self.stats.steps
         if run.first is None:
             run.first = (self.stats.steps, run.gpu_hit, run.cpu_hit)
@@ -253,7 +257,8 @@ class SimEngine:
             st.prompt_tokens += n
         st.gpu_hit_tokens += run.gpu_hit
         st.cpu_hit_tokens += run.cpu_hit
-        st.computed_tokens += n - gpu_hit - run.cpu_hit
+        st.computed_tokens += n - gpu_hit - run.cpu_hit - run.remote
+        st.remote_tokens += run.remote
         return True
 
     def _preempt(self, run: RunningRequest) -> None:
@@ -316,12 +321,15 @@ class SimEngine:
                 run.hasher.digests, run.blocks, len(run.tokens) - 1, run.req.request_id
             )
             self.offload.finished(run.req.request_id)
+        n = len(run.req.prompt)
+        block_ids = tuple(
+            tuple(run.blocks[g][: -(-n // spec.block_size)]) for g, spec in enumerate(self.groups)
+        )
         for blocks in run.blocks:
             self.pool.free(list(reversed(blocks)))
         self._reserved -= run.reserved
         self.stats.requests_finished += 1
         step, gpu, cpu = run.first or (run.admitted_step, run.gpu_hit, run.cpu_hit)
-        n = len(run.req.prompt)
         self.results.append(
             RequestResult(
                 run.req.request_id,
@@ -329,10 +337,12 @@ class SimEngine:
                 n,
                 gpu,
                 cpu,
-                n - gpu - cpu,
+                n - gpu - cpu - run.remote,
                 step,
                 self.stats.steps,
                 run.attempt,
+                run.remote,
+                block_ids,
             )
         )
 

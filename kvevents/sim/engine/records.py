@@ -102,7 +102,10 @@ class RequestResult:
     ``gpu_hit_tokens`` came from the GPU prefix cache, ``cpu_hit_tokens`` were loaded
     from the CPU tier after them, ``computed_tokens`` were prefilled, all at the request's
     first admission; ``preemptions`` counts the times it was preempted and readmitted
-    (each readmission is in :attr:`SimEngine.admissions`).
+    (each readmission is in :attr:`SimEngine.admissions`).  ``remote_tokens`` were
+    received from a remote prefill (a disaggregated decode); ``block_ids`` are the GPU
+    block ids that held the prompt, per KV-cache group (what a prefill engine names to
+    the decode engine that pulls them).
     """
 
     request_id: str
@@ -114,6 +117,8 @@ class RequestResult:
     admitted_step: int
     finished_step: int
     preemptions: int = 0
+    remote_tokens: int = 0
+    block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,8 @@ class EngineStats:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     computed_tokens: int = 0
+    remote_tokens: int = 0
+    """Prompt tokens received from a remote prefill instead of computed."""
     chunks_offered: int = 0
     load_mismatches: int = 0
     requests_rejected: Counter[str] = field(default_factory=Counter)

@@ -40,6 +40,7 @@ class RunningRequest:
     admitted_step: int = 0
     gpu_hit: int = 0
     cpu_hit: int = 0
+    remote: int = 0
     generated: int = 0
     attempt: int = 0
     first: tuple[int, int, int] | None = None  # (step, gpu, cpu) of the first admission

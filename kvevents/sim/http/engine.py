@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import logging
 import socket
 import time
@@ -26,6 +27,12 @@ from kvevents.publishers import ZmqEventPublisher
 from kvevents.sim.cluster import loopback_endpoint
 from kvevents.sim.engine import RequestResult, SimEngine
 from kvevents.sim.http.config import SimHTTPConfig
+from kvevents.sim.http.connector import (
+    TransferLog,
+    prefill_params,
+    remote_prompt_tokens,
+    transfer_params,
+)
 from kvevents.sim.http.openai import (
     Pending,
     SimBadRequest,
@@ -79,7 +86,9 @@ class SimHTTPEngine:
     it data-parallel rank r of an engine: its batches say so and its endpoints are moved up
     by r (vLLM's offset rule), as vLLM's rank r would publish.  Start it with :meth:`start` inside a running event loop; the
     actual endpoints are then :attr:`events_endpoint`, :attr:`replay_endpoint` and
-    :attr:`url`.
+    :attr:`url`.  ``role`` (``both``, ``prefill`` or ``decode``) is written into
+    :meth:`spec`; every engine speaks both sides of vLLM's KV-connector protocol, as a
+    vLLM engine with ``kv_role`` ``kv_both`` does (:mod:`~kvevents.sim.http.connector`).
     """
 
     def __init__(
@@ -93,8 +102,10 @@ class SimHTTPEngine:
         replay: str | None = "tcp://*:0",
         topic: str = "",
         dp_rank: int = 0,
+        role: str = "both",
     ) -> None:
         self.name = name
+        self.role = role
         self.config = config or SimHTTPConfig()
         self.tokenizer = SimTokenizer(self.config.vocab_size)
         self.publisher = ZmqEventPublisher(
@@ -132,6 +143,10 @@ class SimHTTPEngine:
         """Requests received per ``X-data-parallel-rank`` header value."""
         self.digests: OrderedDict[str, str] = OrderedDict()
         """sha256 of every response body sent, by response id (the last 10 000)."""
+        self.raw_transfers: list[bytes] = []
+        """Raw bodies of the last requests that carried ``kv_transfer_params``."""
+        self.transfers = TransferLog()
+        """``kv_transfer_params`` sent (prefill steps) and received (decode steps)."""
         self.counters = {
             "prompt_tokens": 0,
             "generation_tokens": 0,
@@ -182,7 +197,8 @@ class SimHTTPEngine:
         parts = [self.url, self.events_endpoint] + (
             [self.replay_endpoint] if self.replay_endpoint else []
         )
-        return f"{self.name}={','.join(parts)}"
+        role = f";role={self.role}" if self.role != "both" else ""
+        return f"{self.name}={','.join(parts)}{role}"
 
     # --- the engine loop ---------------------------------------------------------------
     async def _drive(self) -> None:
@@ -199,7 +215,7 @@ class SimHTTPEngine:
                 engine.add_request(
                     SimRequest(
                         new.request_id, 0, 0, 0, tuple(new.prompt), out, new.lora,
-                        cache_salt=new.salt,
+                        cache_salt=new.salt, remote_tokens=new.remote,
                     )
                 )  # fmt: skip
             self._incoming.clear()
@@ -233,11 +249,17 @@ class SimHTTPEngine:
                 self._results_pos = 0
 
     def submit(
-        self, prompt: list[int], max_tokens: int, lora: str | None, salt: str | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        lora: str | None,
+        salt: str | None = None,
+        remote: int = 0,
     ) -> Pending:
         """Queue ``prompt`` for ``max_tokens`` output tokens (``lora`` / ``salt``: its
-        adapter and cache salt); :class:`SimBadRequest` for an empty prompt or one over
-        the context length.  Its progress arrives on the returned :class:`Pending`."""
+        adapter and cache salt; ``remote``: prompt tokens whose KV a prefill engine
+        sends); :class:`SimBadRequest` for an empty prompt or one over the context
+        length.  Its progress arrives on the returned :class:`Pending`."""
         if not prompt:
             raise SimBadRequest("the prompt is empty")
         need = sum(-(-(len(prompt) + max_tokens) // g.block_size) for g in self.engine.groups)
@@ -249,7 +271,7 @@ class SimHTTPEngine:
             )
         rid = f"{self.name}-{next(self._ids)}"
         pieces = self.tokenizer.generate(prompt, max_tokens)
-        p = Pending(rid, prompt, pieces, asyncio.Queue(), lora, salt)
+        p = Pending(rid, prompt, pieces, asyncio.Queue(), lora, salt, remote=remote)
         self._by_id[rid] = p
         self._incoming.append(p)
         assert self._wake is not None
@@ -296,6 +318,23 @@ class SimHTTPEngine:
         return "\n".join(lines) + "\n"
 
     # --- request handling ----------------------------------------------------------------
+    def note_raw(self, raw: bytes) -> None:
+        """Keep ``raw`` when it carries ``kv_transfer_params`` (the last 1000)."""
+        if b"kv_transfer_params" in raw:
+            self.raw_transfers.append(raw)
+            del self.raw_transfers[:-1000]
+
+    def kv_transfer(self, request_id: str) -> dict[str, Any]:
+        """What ``GET /sim/kv-transfer?id=`` answers: the parameters sent and received
+        for prefill request ``request_id`` (JSON text) and the raw request bodies kept
+        that name it; without an id, every parameter sent and received, by id."""
+        if not request_id:
+            return {"sent": dict(self.transfers.sent), "received": dict(self.transfers.received)}
+        out = self.transfers.lookup(request_id)
+        needle = json.dumps(request_id).encode()
+        out["raw_bodies"] = [b.decode() for b in self.raw_transfers if needle in b]
+        return out
+
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """What ``POST /tokenize`` answers for ``body`` (``prompt`` or ``messages``)."""
         tokens = prompt_tokens(self.tokenizer, body, chat="messages" in body)
@@ -309,7 +348,12 @@ class SimHTTPEngine:
     async def complete(self, body: dict[str, Any], *, chat: bool) -> Any:
         """Answer a completion (``chat=False``) or chat completion request body: a
         Starlette response, streamed (SSE) when the body asks for it, once the engine
-        has generated every output token.  :class:`SimBadRequest` for a bad body."""
+        has generated every output token.  :class:`SimBadRequest` for a bad body.
+
+        With ``kv_transfer_params``: ``do_remote_decode`` makes it a prefill step whose
+        (non-streamed) answer carries the parameters naming its blocks;
+        ``do_remote_prefill`` makes it a decode step that receives the prompt's KV up
+        to the named blocks instead of computing it."""
         from starlette.responses import Response, StreamingResponse
 
         lora = request_lora(body, self.config.model, self.config.loras)
@@ -317,7 +361,13 @@ class SimHTTPEngine:
         max_tokens, salt = request_options(
             body, chat=chat, default_max_tokens=self.config.default_max_tokens
         )
-        p = self.submit(prompt, max_tokens, lora, salt)
+        params = transfer_params(body)
+        remote = 0
+        if params is not None and params.get("do_remote_prefill"):
+            block_size = self.config.engine.groups[0].block_size
+            remote = remote_prompt_tokens(params, block_size, len(prompt))
+            self.transfers.note(self.transfers.received, params)
+        p = self.submit(prompt, max_tokens, lora, salt, remote)
         model = body.get("model") or self.config.model
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + p.request_id
@@ -334,7 +384,16 @@ class SimHTTPEngine:
             else:
                 result: RequestResult = value
                 break
-        raw = completion_body(rid, model, created, "".join(text), self._usage(p, result), chat=chat)
+        answer_params = None
+        if params is not None and params.get("do_remote_decode"):
+            answer_params = prefill_params(
+                self.name, p.request_id, result.block_ids, self.host, self.port
+            )
+            self.transfers.note(self.transfers.sent, answer_params)
+        raw = completion_body(
+            rid, model, created, "".join(text), self._usage(p, result), chat=chat,
+            kv_transfer_params=answer_params,
+        )  # fmt: skip
         self._digest(rid, hashlib.sha256(raw).hexdigest())
         return Response(raw, media_type="application/json")
 

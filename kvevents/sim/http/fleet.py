@@ -26,27 +26,39 @@ async def run_sim_fleet(
     events_base: int | None = None,
     stop: asyncio.Event,
     on_ready: Any = None,
+    prefill: int = 0,
+    decode: int = 0,
+    prefix: str = "",
 ) -> list[str]:
-    """Run ``n`` engines ``sim-0..sim-{n-1}`` until ``stop`` is set.
+    """Run ``n`` engines ``sim-0..sim-{n-1}`` (role ``both``), then ``prefill`` engines
+    ``prefill-0..`` and ``decode`` engines ``decode-0..`` (roles ``prefill`` and
+    ``decode``, written into their specs) until ``stop`` is set; every name starts
+    with ``prefix``.
 
-    Engine ``i`` listens on HTTP port ``http_base + i``, publishes on ``events_base +
+    Engine ``i`` (counted over all of them, in that order) listens on HTTP port ``http_base + i``, publishes on ``events_base +
     2i`` and serves replay on ``events_base + 2i + 1`` (free ports when a base is None).
     ``on_ready(specs)`` is called once every engine listens, with their ``--engine``
     values.  Returns those values.
     """
-    if n < 1:
-        raise ConfigError("--engines must be >= 1")
+    if n < 0 or prefill < 0 or decode < 0 or n + prefill + decode < 1:
+        raise ConfigError("--engines, --prefill and --decode must be >= 0, one of them >= 1")
+    named = (
+        [(f"{prefix}sim-{i}", "both") for i in range(n)]
+        + [(f"{prefix}prefill-{i}", "prefill") for i in range(prefill)]
+        + [(f"{prefix}decode-{i}", "decode") for i in range(decode)]
+    )
     engines: list[SimHTTPEngine] = []
     try:
-        for i in range(n):
+        for i, (name, role) in enumerate(named):
             # the publishers listen on the HTTP host too (loopback by default)
             eh = f"[{host}]" if ":" in host else host
             ev = f"tcp://{eh}:{events_base + 2 * i}" if events_base is not None else None
             rep = f"tcp://{eh}:{events_base + 2 * i + 1}" if events_base is not None else None
             engines.append(
                 SimHTTPEngine(
-                    f"sim-{i}",
+                    name,
                     config,
+                    role=role,
                     host=host,
                     http_port=http_base + i if http_base is not None else 0,
                     events=ev or f"tcp://{eh}:0",

@@ -56,6 +56,8 @@ class Pending:
     lora: str | None = None
     salt: str | None = None
     emitted: int = 0
+    remote: int = 0
+    """Prompt tokens whose KV comes from a remote prefill engine (a decode step)."""
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
@@ -123,9 +125,10 @@ def request_options(
 
 
 def usage_body(p: Pending, result: RequestResult) -> dict[str, Any]:
-    """The ``usage`` of an answer; ``cached_tokens`` is what the engine reused (GPU and
-    CPU tiers)."""
-    cached = result.gpu_hit_tokens + result.cpu_hit_tokens
+    """The ``usage`` of an answer; ``cached_tokens`` is what the engine did not compute:
+    reused (GPU and CPU tiers) and, for a disaggregated decode, received from the
+    prefill engine (vLLM counts the connector's tokens as computed before the step)."""
+    cached = result.gpu_hit_tokens + result.cpu_hit_tokens + result.remote_tokens
     return {
         "prompt_tokens": len(p.prompt),
         "total_tokens": len(p.prompt) + len(p.pieces),
@@ -135,9 +138,17 @@ def usage_body(p: Pending, result: RequestResult) -> dict[str, Any]:
 
 
 def completion_body(
-    rid: str, model: str, created: int, text: str, usage: dict[str, Any], *, chat: bool
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    usage: dict[str, Any],
+    *,
+    chat: bool,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
-    """A whole (non-streamed) completion or chat completion, as JSON bytes."""
+    """A whole (non-streamed) completion or chat completion, as JSON bytes (with the
+    ``kv_transfer_params`` a prefill step answers, when given)."""
     choice: dict[str, Any]
     if chat:
         choice = {
@@ -155,16 +166,17 @@ def completion_body(
             "finish_reason": "length",
             "stop_reason": None,
         }
-    return json.dumps(
-        {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    ).encode()
+    doc: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    if kv_transfer_params is not None:
+        doc["kv_transfer_params"] = kv_transfer_params
+    return json.dumps(doc).encode()
 
 
 async def sse_chunks(

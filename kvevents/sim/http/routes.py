@@ -1,7 +1,9 @@
 """The routes of a simulated engine's HTTP server, as a vLLM OpenAI server has them:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``,
-``GET /v1/models``, ``GET /metrics``, ``GET /health``, and the test route
-``GET /sim/response-digest?id=...``.
+``GET /v1/models``, ``GET /metrics``, ``GET /health``, and the test routes
+``GET /sim/response-digest?id=...`` and ``GET /sim/kv-transfer?id=...`` (the
+``kv_transfer_params`` a prefill step sent and a decode step received, as JSON text,
+with the raw request bodies that carried them).
 
 One job: mapping HTTP to the handlers of :class:`SimHandlers` (JSON decoding, the
 ``X-data-parallel-rank`` tally, errors in vLLM's shape).  Imports Starlette (the
@@ -39,6 +41,14 @@ class SimHandlers(Protocol):
         """Answer a ``/tokenize`` request body."""
         ...
 
+    def kv_transfer(self, request_id: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` sent and received for a prefill request id."""
+        ...
+
+    def note_raw(self, raw: bytes) -> None:
+        """Keep a completion request's raw body (those with ``kv_transfer_params``)."""
+        ...
+
     def models(self) -> dict[str, Any]:
         """Answer ``GET /v1/models``."""
         ...
@@ -62,6 +72,7 @@ def build_app(h: SimHandlers) -> Any:
 
     async def guarded(request: Request, handler: Any) -> Response:
         try:
+            h.note_raw(await request.body())
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             return error("the request body is not valid JSON", 400)
@@ -93,6 +104,9 @@ def build_app(h: SimHandlers) -> Any:
             return error(f"no response with id {rid!r}", 404)
         return JSONResponse({"id": rid, "sha256": d})
 
+    async def kv_transfer(request: Request) -> Response:
+        return JSONResponse(h.kv_transfer(request.query_params.get("id", "")))
+
     async def tokenize(request: Request) -> Response:
         async def run(body: dict[str, Any]) -> Response:
             return JSONResponse(h.tokenize(body))
@@ -117,5 +131,6 @@ def build_app(h: SimHandlers) -> Any:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/sim/response-digest", digest, methods=["GET"]),
+            Route("/sim/kv-transfer", kv_transfer, methods=["GET"]),
         ]
     )
