@@ -13,7 +13,11 @@ Requests go out at a fixed ``concurrency`` (that many in flight) or at a ``rate`
 (Poisson arrivals, requests per second).  Every request streams with
 ``stream_options.include_usage`` so the report has, per request, the time to first token,
 the latency, and ``usage.prompt_tokens_details.cached_tokens``: prefix reuse is
-``Σ cached_tokens / Σ prompt_tokens`` as the server reported it.
+``Σ cached_tokens / Σ prompt_tokens`` as the server reported it.  Behind a service that
+disaggregates prefill and decode, each request's path (``x-kvevents-prefill`` present
+or not) is recorded, and reuse and time to first token are also given per path; a
+disaggregated request's reuse is what its prefill engine reported
+(``x-kvevents-prefill-cached-tokens``).
 
 The text (system prompts, questions) is drawn from one :class:`random.Random` seeded with
 ``seed``, so a run's prompts are reproducible; which request meets which answer depends on
@@ -95,6 +99,22 @@ class RequestRecord:
     cached_tokens: int | None = None
     completion_tokens: int = 0
     error: str = ""
+    prefill: str | None = None
+    """The prefill rank of a disaggregated request (``x-kvevents-prefill``)."""
+    prefill_cached: int | None = None
+    """What its prefill engine reported it reused (``x-kvevents-prefill-cached-tokens``)."""
+
+    @property
+    def path(self) -> str:
+        """``disaggregated`` (a prefill and a decode step) or ``whole``."""
+        return "disaggregated" if self.prefill else "whole"
+
+    @property
+    def reused(self) -> int | None:
+        """Prompt tokens reused where the prompt was computed: on the prefill engine for a
+        disaggregated request (the decode engine's ``cached_tokens`` counts the
+        transferred prefix), else the engine's ``cached_tokens``."""
+        return self.prefill_cached if self.prefill else self.cached_tokens
 
 
 @dataclass
@@ -114,11 +134,36 @@ class LoadgenReport:
         prompt = sum(r.prompt_tokens for r in rs)
         return sum(r.cached_tokens or 0 for r in rs) / prompt if prompt else 0.0
 
-    def percentile(self, what: str, q: float) -> float | None:
-        vals = sorted(v for r in self.ok if (v := getattr(r, what)) is not None)
+    def percentile(
+        self, what: str, q: float, records: list[RequestRecord] | None = None
+    ) -> float | None:
+        rs = self.ok if records is None else records
+        vals = sorted(v for r in rs if (v := getattr(r, what)) is not None)
         if not vals:
             return None
         return float(vals[min(len(vals) - 1, int(q * len(vals)))])
+
+    def paths(self) -> dict[str, dict[str, Any]]:
+        """Per path (``disaggregated``, ``whole``): requests, prefix reuse where the
+        prompt was computed (:attr:`RequestRecord.reused` over prompt tokens), and time
+        to first token."""
+        out: dict[str, dict[str, Any]] = {}
+        for path in ("disaggregated", "whole"):
+            rs = [r for r in self.ok if r.path == path]
+            if not rs:
+                continue
+            known = [r for r in rs if r.reused is not None]
+            prompt = sum(r.prompt_tokens for r in known)
+            reused = sum(r.reused or 0 for r in known)
+            out[path] = {
+                "requests": len(rs),
+                "prefix_reuse": round(reused / prompt, 4) if prompt else 0.0,
+                "reused_tokens": reused,
+                "prompt_tokens": prompt,
+                "ttft_p50_s": self.percentile("ttft_s", 0.5, rs),
+                "ttft_p90_s": self.percentile("ttft_s", 0.9, rs),
+            }
+        return out
 
     def to_json(self) -> dict[str, Any]:
         ok = self.ok
@@ -141,6 +186,8 @@ class LoadgenReport:
             "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall, 1),
             "wall_s": round(self.wall_s, 3),
             "workers": dict(sorted(Counter(r.worker or "?" for r in ok).items())),
+            "prefill_workers": dict(sorted(Counter(r.prefill for r in ok if r.prefill).items())),
+            "paths": self.paths(),
         }
 
 
@@ -233,6 +280,9 @@ async def request_one(
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             rec.status = r.status_code
             rec.worker = r.headers.get("x-kvevents-worker")
+            rec.prefill = r.headers.get("x-kvevents-prefill")
+            pc = r.headers.get("x-kvevents-prefill-cached-tokens")
+            rec.prefill_cached = int(pc) if pc and pc.isdigit() else None
             if r.status_code != 200:
                 await r.aread()
                 rec.error = f"HTTP {r.status_code}"
@@ -342,6 +392,16 @@ def format_loadgen(report: LoadgenReport) -> str:
         f"over {j['wall_s']:.1f} s",
         "workers      " + ", ".join(f"{k}: {v}" for k, v in j["workers"].items()),
     ]
+    if j["prefill_workers"]:
+        lines.append(
+            "prefill      " + ", ".join(f"{k}: {v}" for k, v in j["prefill_workers"].items())
+        )
+        for path, d in j["paths"].items():
+            lines.append(
+                f"{path:<13}{d['requests']} requests, reuse {d['prefix_reuse']:.1%} "
+                f"({d['reused_tokens']}/{d['prompt_tokens']}), TTFT p50 {ms(d['ttft_p50_s'])} "
+                f"p90 {ms(d['ttft_p90_s'])}"
+            )
     return "\n".join(lines)
 
 
