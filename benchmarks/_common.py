@@ -1,4 +1,4 @@
-"""Shared output shape for the benchmark scripts (DESIGN §7).
+"""Shared output shape for the benchmark scripts.
 
 Every script prints a readable table, then, as its last line, one JSON object::
 

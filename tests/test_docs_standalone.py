@@ -25,6 +25,25 @@ FORBIDDEN: dict[str, re.Pattern[str]] = {
 }
 
 
+SOURCES = sorted(
+    p for top in ("kvevents", "benchmarks", "examples") for p in (REPO / top).rglob("*.py")
+)
+
+
+@pytest.mark.parametrize("top", ["kvevents", "benchmarks", "examples"])
+def test_code_cites_vllm_not_internal_specs(top: str) -> None:
+    """Docstrings and comments stand alone too: they name vLLM's functions or say the
+    fact, never a section of an internal contract (``C§5.3``) or design document."""
+    found = [
+        f"{path.relative_to(REPO)}:{lineno}: {line.strip()[:100]}"
+        for path in SOURCES
+        if path.relative_to(REPO).parts[0] == top
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "§" in line or re.search(r"\b(DESIGN|CONTRACT)\b", line)
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_the_docs_are_found() -> None:
     assert REPO / "README.md" in DOCS and len(DOCS) > 5
 

@@ -1,18 +1,19 @@
 """Encoding and decoding of KV event batches and of their ZMQ frames.
 
-* :func:`encode_batch` writes exactly vLLM 0.33's bytes (C§1.2, C§9.1).
-* :func:`decode_batch` / :class:`BatchDecoder` read every shape a live producer sends
-  (C§9.2): map events (vLLM ≥ 0.24) with unknown or missing optional keys, positional
+* :func:`encode_batch` writes exactly the bytes vLLM 0.33's ``ZmqEventPublisher`` sends.
+* :func:`decode_batch` / :class:`BatchDecoder` read every shape a live producer sends:
+  map events (vLLM ≥ 0.24) with unknown or missing optional keys, positional
   array events of every historical length (vLLM ≤ 0.23), 2- and 3-element batches,
   missing ``medium`` / ``lora_name`` / ``lora_id``, int (signed or unsigned 64-bit) or
   bytes hashes, and map-shaped batches (``{"ts", "events", rank}``) from other producers.
   An event with an unknown ``type`` tag is skipped and counted; the rest of the batch is
-  kept (C§9.3).  Anything else raises :class:`~kvevents.errors.DecodeError`, and no other
+  kept.  Anything else raises :class:`~kvevents.errors.DecodeError`, and no other
   exception type escapes, whatever the payload's size or nesting depth: a payload nested
   deeper than Python's recursion limit lets msgspec walk (about 1,000 levels by default;
   :data:`MAX_NESTING_DEPTH` when the process raised that limit) is a ``DecodeError``.
 * Frame helpers build and parse the live message ``[topic, seq, payload]`` and the
-  replay request/reply of C§2.1–2.2.
+  replay request/reply that vLLM's ``ZmqEventPublisher`` answers on its
+  ROUTER socket.
 
 :meth:`BatchDecoder.decode_raw_tokens` is a faster path for consumers that only hash or
 forward token ids: GPU stores keep ``token_ids`` as the undecoded msgpack array

@@ -75,10 +75,10 @@ def pack_replay_request(start_seq: int) -> list[bytes]:
 def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int]:
     """Parse a request as a ROUTER receives it: ``[identity, b"", start]``.
 
-    As in vLLM (C§2.2) only the frame count is checked: the middle (delimiter) frame is
-    not inspected, and ``start`` is big-endian unsigned of any length (a 4-byte value
-    works; an empty frame reads as 0).  Returns ``(identity, start_seq)``; any other
-    frame count raises :class:`FrameError`.
+    As in vLLM's ``ZmqEventPublisher._service_replay`` only the frame count is checked: the
+    middle (delimiter) frame is not inspected, and ``start`` is big-endian unsigned of any
+    length (a 4-byte value works; an empty frame reads as 0).  Returns ``(identity,
+    start_seq)``; any other frame count raises :class:`FrameError`.
     """
     if len(frames) != 3:
         raise FrameError(

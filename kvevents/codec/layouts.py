@@ -56,7 +56,7 @@ ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
     "BlockRemoved": EVENT_FIELDS["BlockRemoved"][:3],
     "AllBlocksCleared": (),
 }
-# Required in vLLM 0.33 but absent from older producers: read as None (C§1.3).
+# Required in vLLM 0.33 but absent from older producers: read as None.
 TOLERATED_MISSING = ("lora_id", "medium", "lora_name")
 # Fields every producer has written in the same positions since vLLM 0.9 (and SGLang).
 CORE_FIELDS: dict[str, frozenset[str]] = {

@@ -18,8 +18,9 @@ from kvevents.errors import DecodeError
 __all__ = ["WireShape", "describe_payload"]
 
 # Inclusive (first, last) 0.x minor releases that can write an array event of a given
-# element count (tag included).  Boundaries follow C§1.3 and the golden vectors; where a
-# field's first release is only known to a range, both neighbours are allowed.
+# element count (tag included).  Boundaries follow the field history of vLLM's
+# ``kv_events.py`` and the golden vectors; where a field's first release is only known to a
+# range, both neighbours are allowed.
 _STORED_LEN_MINORS = {6: (9, 11), 7: (11, 15), 8: (13, 18), 9: (16, 20), 10: (19, 22), 12: (21, 23)}
 _REMOVED_LEN_MINORS = {2: (9, 11), 3: (11, 20), 4: (19, 23)}
 _MAP_KEY_MINORS = (  # newest first: a key present means "at least this release"
@@ -46,7 +47,7 @@ class WireShape:
 
 
 def describe_payload(payload: bytes | bytearray | memoryview) -> WireShape:
-    """Infer the producer's wire generation from a payload's shape (C§1.3, C§9.16).
+    """Infer the producer's wire generation from a payload's shape.
 
     Raises :class:`DecodeError` if the payload is not a msgpack batch (nothing else
     escapes).

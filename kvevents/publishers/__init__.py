@@ -1,4 +1,4 @@
-"""Engine side: event publishers (C§2).
+"""Engine side: event publishers (vLLM's ``EventPublisher`` and ``ZmqEventPublisher``).
 
 ``create_publisher(KVEventsConfig(...), data_parallel_rank)`` gives an
 :class:`EventPublisher`; call ``publish(batch)`` once per engine step with events and

@@ -1,4 +1,5 @@
-"""The publisher interface every engine-side event sink implements (C§2)."""
+"""The publisher interface every engine-side event sink implements (vLLM's
+``EventPublisher``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``KVEventsConfig``: vLLM's KV-event publisher settings, field for field (C§2.4).
+"""``KVEventsConfig``: vLLM's KV-event publisher settings, field for field.
 
 The field names and defaults are vLLM's, so a ``--kv-events-config '{json}'`` value
 written for vLLM configures kvevents unchanged.  Unlike vLLM's pydantic dataclass, values

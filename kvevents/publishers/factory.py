@@ -1,7 +1,7 @@
 """Building publishers from a :class:`KVEventsConfig`, with vLLM's DP endpoint offsets.
 
 ``create_publisher(config, data_parallel_rank)`` mirrors vLLM's
-``EventPublisherFactory.create`` (C§2.4): a missing or disabled config, or
+``EventPublisherFactory.create``: a missing or disabled config, or
 ``publisher="null"``, gives a :class:`NullEventPublisher`; otherwise the registered
 constructor for ``config.publisher`` is called as
 ``ctor(data_parallel_rank=rank, endpoint=…, replay_endpoint=…, buffer_steps=…, hwm=…,

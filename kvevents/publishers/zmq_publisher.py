@@ -1,6 +1,7 @@
 """``ZmqEventPublisher``: vLLM's wire protocol, without ever blocking the engine.
 
-What a consumer of vLLM's publisher sees is unchanged (C§2.1–2.2, C§9.4–9.5):
+What a consumer of vLLM's publisher sees is unchanged (the live frames and the replay
+protocol of vLLM's ``ZmqEventPublisher``):
 
 * live messages on a PUB socket, exactly ``[topic, seq, payload]``; ``seq`` is an
   8-byte big-endian unsigned batch counter that starts at 0 for each publisher and
@@ -14,7 +15,7 @@ What a consumer of vLLM's publisher sees is unchanged (C§2.1–2.2, C§9.4–9.
   so a subscriber can tell a restarted publisher (whose seq N is another batch) from the
   one it followed by replaying its last applied seq and comparing.
 
-Deliberate differences from vLLM 0.33 (C§2.3, C§9.8):
+Deliberate differences from vLLM 0.33's ``ZmqEventPublisher`` (its queue and sender thread):
 
 * ``publish()`` never blocks.  It assigns the seq and does a ``put_nowait``; when the
   queue is full the batch is dropped and counted (``dropped_batches``,

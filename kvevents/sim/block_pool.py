@@ -1,4 +1,5 @@
-"""A simulated GPU block pool with prefix caching that emits vLLM's GPU events (C§4.3).
+"""A simulated GPU block pool with prefix caching that emits vLLM's GPU events (as vLLM's
+``BlockPool``).
 
 The pool owns ``num_blocks`` physical blocks shared by every KV-cache group.  A block
 that holds a full block of some request is *cached* under ``(digest, group)``; when the
@@ -93,14 +94,15 @@ class KVCacheGroupSpec:
 
 
 def hash_block_size(groups: Sequence[KVCacheGroupSpec]) -> int:
-    """vLLM's hash granularity (C§4.1): the block size of a single group, else the GCD."""
+    """vLLM's hash granularity (``hash_block_size``): the block size of a single group, else
+    the GCD."""
     if not groups:
         raise ConfigError("at least one KV-cache group is needed")
     return math.gcd(*(g.block_size for g in groups))
 
 
 def group_block_hashes(raw: Sequence[bytes], block_size: int, unit: int) -> list[bytes]:
-    """Group-granularity hashes from raw ``unit``-token hashes (C§4.1 coarser groups):
+    """Group-granularity hashes from raw ``unit``-token hashes (groups with larger blocks):
     block *i* takes the raw hash at index ``(i+1)·k − 1`` with ``k = block_size / unit``."""
     k = block_size // unit
     return [raw[(i + 1) * k - 1] for i in range(len(raw) // k)]

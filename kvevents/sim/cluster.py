@@ -58,7 +58,7 @@ class ClusterConfig:
     can run at once.  With a
     fixed ``tcp://HOST:P``, engine *i* rank *r* publishes on port ``P + i·dp_ranks + r``
     and, with ``replay``, serves replay on ``P + 100 + i·dp_ranks + r`` (vLLM's DP offset
-    rule applied to a base of ``P + i·dp_ranks``; C§2.4).  ``replay`` adds a replay
+    rule applied to a base of ``P + i·dp_ranks``).  ``replay`` adds a replay
     ROUTER with ``buffer_steps`` batches of history.
     """
 

@@ -1,5 +1,5 @@
 """The simulated engine's CPU tier: a ``CPUOffloadingManager``, its event translator and
-the block transfers, driven the way vLLM's offload scheduler drives them (C§5.3, C§5.7).
+the block transfers, driven the way vLLM's offload scheduler drives them.
 
 * Keys: for group ``g`` with ``T = block_size × blocks_per_chunk`` tokens per chunk, chunk
   ``c`` is keyed by the request's raw hash at its last hash boundary
@@ -371,7 +371,7 @@ class SimOffload:
         return list(self.translator.translate(self.manager.take_events()))
 
     def reset(self) -> None:
-        """Reset the CPU tier (emits nothing, C§6.2)."""
+        """Reset the CPU tier (emits nothing, as in vLLM)."""
         if self.worker is not None:
             self.worker.wait()
             self.worker.get_finished()

@@ -76,9 +76,10 @@ class BlockIndex:
     Parameters
     ----------
     blocks_per_chunk:
-        GPU blocks per CPU chunk (C§5.2).  An int for every engine, a mapping keyed by
-        :data:`WorkerId` or by source (``"*"`` for the rest), or ``None`` to learn it per
-        worker as the gcd of the block counts at which chunk tails fall.  A learned value
+        GPU blocks per CPU chunk (the offloading connector's ``blocks_per_chunk``).  An int
+        for every engine, a mapping keyed by :data:`WorkerId` or by source (``"*"`` for
+        the rest), or ``None`` to learn it per worker as the gcd of the block counts at
+        which chunk tails fall.  A learned value
         is an upper bound that converges down as tails arrive; configure it when known.
     canonical_block_size:
         Tokens per content-key unit.  Engine block sizes must be multiples of it for their

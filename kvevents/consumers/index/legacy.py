@@ -19,11 +19,12 @@ __all__ = ["legacy_remove", "legacy_store"]
 
 
 def legacy_store(feed: Stores, w: WorkerState, ev: BlockStored, tier: int) -> None:
-    """≤0.23 CPU store: bytes hashes, no group, meaningless block_size (C§9.16).
+    """≤0.23 CPU store: bytes hashes, no group, meaningless block_size (vLLM ≤ 0.23).
 
-    Each hash is looked up in every group of the worker, as the raw digest and as its
-    wire int (the digest's last 8 bytes); repeated occurrences of one hash go to the
-    next group that knows it (a hash can key several groups, C§5.3).
+    Each hash is looked up in every group of the worker, as the raw digest and as its wire
+    int (the digest's last 8 bytes); repeated occurrences of one hash go to the next group
+    that knows it (a hash can key several groups: their offload keys differ in the group
+    suffix only).
     """
     used: dict[Hash, int] = {}
     for raw in ev.block_hashes:

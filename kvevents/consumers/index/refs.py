@@ -260,7 +260,7 @@ class RefRules:
         ):
             return
         if tier and gs is not None and h in gs.meta:
-            # fan-out of a chunk's non-tail constituents (C§5.8): harmless
+            # fan-out of a chunk's non-tail constituents (vLLM's healed removals): harmless
             self.stats.skipped["removed_non_tail"] += 1
             return
         self.stats.unknown_removals[TIERS[tier]] += 1

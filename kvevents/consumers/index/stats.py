@@ -56,7 +56,8 @@ class IndexStats:
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """The chunk a CPU/STORAGE tail hash stands for (C§5.3)."""
+    """The chunk a CPU/STORAGE tail hash stands for (vLLM's ``make_offload_key`` keys a
+    chunk by its last hash)."""
 
     hashes: tuple[Hash, ...]
     """Engine hashes of the chunk's blocks, oldest first, as far as metadata reaches."""

@@ -319,7 +319,8 @@ class Stores(RefRules):
         them) and the chunk tail is counted on ``tier``."""
         gs = w.groups.get(ev.group_idx or 0)
         if gs is not None and gs.block_size and ev.block_size != gs.block_size:
-            # a partial tail at hash granularity (C§5.8): join its last hash instead
+            # a partial tail at hash granularity (vLLM's boundary keys): join its last hash
+            # instead
             self.stats.skipped["self_describing_partial"] += 1
             self.store_placeholder(w, ev, tier, tails=ev.block_hashes[-1:])
             return

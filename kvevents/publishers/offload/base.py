@@ -1,8 +1,9 @@
-"""Core types of the KV offloading subsystem (CONTRACT C§5.1).
+"""Core types of the KV offloading subsystem (vLLM's ``vllm/v1/kv_offload/base.py``).
 
-An :data:`OffloadKey` names one *chunk* of KV cache on a secondary tier: the request's
-raw chained block hash (digest bytes, at ``tokens_per_hash`` granularity) at the chunk's
-last token boundary, followed by the 4-byte big-endian KV-cache group index (C§5.3).
+An :data:`OffloadKey` names one *chunk* of KV cache on a secondary tier: the request's raw
+chained block hash (digest bytes, at ``tokens_per_hash`` granularity) at the chunk's last
+token boundary, followed by the 4-byte big-endian KV-cache group index (vLLM's
+``make_offload_key``).
 
 :class:`OffloadingEvent` is what a manager reports about its tier.  It deliberately has
 **no block size**: one event may carry keys of several groups whose chunks have different
@@ -102,9 +103,9 @@ class LookupResult(enum.Enum):
 class ReqContext:
     """Per-request context handed to every manager call.
 
-    ``offload_key_positions`` maps a key to the token position at the end of its chunk
-    (set by the scheduler, C§5.1; the LRU policy ranks keys of one request by it).
-    ``scratch`` is per-request state that managers and policies may keep (keyed by an
+    ``offload_key_positions`` maps a key to the token position at the end of its chunk (set
+    by the scheduler, as vLLM's ``ReqContext``; the LRU policy ranks keys of one request by
+    it).  ``scratch`` is per-request state that managers and policies may keep (keyed by an
     owner-specific string); it lives as long as the context.
     """
 
@@ -180,7 +181,7 @@ class CPULoadStoreSpec(LoadStoreSpec):
 
 
 class GPULoadStoreSpec(LoadStoreSpec):
-    """Device blocks of a transfer, ordered by group (C§5.1).
+    """Device blocks of a transfer, ordered by group (vLLM's ``GPULoadStoreSpec``).
 
     ``group_sizes[g]`` blocks of group g follow each other in ``block_ids``
     (``sum(group_sizes) == len(block_ids)``); ``block_indices[g]`` is the
@@ -234,7 +235,8 @@ class PrepareStoreOutput:
 
 @dataclass
 class OffloadingEvent:
-    """A change of residency on one tier, as drained by ``take_events()`` (C§5.1).
+    """A change of residency on one tier, as drained by ``take_events()`` (vLLM's
+    ``OffloadingEvent``).
 
     There is **no block_size**: the keys may belong to groups whose chunks differ in
     size.  ``removed`` is ``False`` for stores, ``True`` for evictions/removals.
@@ -277,7 +279,7 @@ class TransferResult:
 
 
 class OffloadingManager(ABC):
-    """Scheduler-side bookkeeping of one offload tier (C§5.1).
+    """Scheduler-side bookkeeping of one offload tier (vLLM's ``OffloadingManager``).
 
     Contracts every implementation keeps:
 
@@ -365,7 +367,7 @@ class OffloadingManager(ABC):
         return False
 
     def reset_cache(self) -> None:
-        """Drop everything this tier holds, without emitting events (C§6.2)."""
+        """Drop everything this tier holds, without emitting events, as vLLM does."""
         return None
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""The CPU offloading manager: chunk slots, pin/pending states, eviction, events (C§5.4).
+"""The CPU offloading manager: chunk slots, pin/pending states, eviction, events
+(vLLM's ``CPUOffloadingManager``).
 
 :class:`CPUOffloadingManager` holds ``num_chunks`` CPU chunk slots.  Slot ids are handed
 out fresh (``0, 1, 2, …``) until every slot has been used once, then reused
@@ -105,7 +106,8 @@ def _unique(keys: Sequence[OffloadKey]) -> list[OffloadKey]:
 
 
 class CPUOffloadingManager(OffloadingManager):
-    """An :class:`OffloadingManager` over ``num_chunks`` CPU chunk slots (C§5.4).
+    """An :class:`OffloadingManager` over ``num_chunks`` CPU chunk slots, as vLLM's
+    ``CPUOffloadingManager``.
 
     Args:
         num_chunks: number of chunk slots (each holds ``blocks_per_chunk`` device blocks).
@@ -299,7 +301,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        """Allocate slots for the absent ``keys``, evicting if needed (C§5.4).
+        """Allocate slots for the absent ``keys``, evicting if needed (vLLM's
+        ``prepare_store``).
 
         Returns ``None`` with no slot, residency or event change when the absent keys do
         not fit even after evicting every evictable key that is not offered now.  Access
@@ -415,7 +418,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Hand the request's keys to the policy once (per KV group, head to tail).
 
         The groups go in group-index order; the built-in policies then walk all of the
-        keys in one tail-to-head order by position (C§5.5).
+        keys in one tail-to-head order by position.
         """
         state = self._state(ctx)
         if state.finished or ctx is self._anonymous:
@@ -433,7 +436,8 @@ class CPUOffloadingManager(OffloadingManager):
         state.store_missed.clear()
 
     def reset_cache(self) -> None:
-        """Forget every chunk, slot and counter; emits **no** event (C§6.2).
+        """Forget every chunk, slot and counter; emits **no** event (as vLLM's
+        ``reset_connector`` path).
 
         Events not drained yet are kept: a failed store's ``metadata_only`` release is
         still reported, its key being absent after the reset.

@@ -1,4 +1,5 @@
-"""Device ↔ host block transfers for the CPU offload tier (the only torch module; C§5.6).
+"""Device ↔ host block transfers for the CPU offload tier (the only torch module; vLLM's
+``cpu/gpu_worker.py``).
 
 Layout:
 

@@ -1,4 +1,4 @@
-"""From :class:`OffloadingEvent` to wire KV events (C§5.8).
+"""From :class:`OffloadingEvent` to wire KV events (vLLM's ``offloading/events.py``).
 
 :class:`OffloadEventTranslator` has two modes.
 
@@ -7,7 +7,7 @@
 medium, group_idx=g, locality, ownership)`` **per key**, where ``tail`` is the key's
 block hash as a wire hash; a removal becomes one ``BlockRemoved`` **per group** (groups
 in first-seen order, hashes in event order).  A consumer learns the block size and
-tokens from the GPU ``BlockStored`` with the same ``(group_idx, hash)`` (C§6.1).
+tokens from the GPU ``BlockStored`` with the same ``(group_idx, hash)``.
 
 **Self-describing** (opt-in, ``self_describing=True``).  For full-attention groups the
 caller records a snapshot of each chunk with :meth:`OffloadEventTranslator.record_chunk`
@@ -65,7 +65,8 @@ _INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
 
 def _int_hashes_from_env() -> bool:
-    """vLLM's switch between int (default) and raw-bytes wire hashes (C§4.1)."""
+    """vLLM's switch between int (default) and raw-bytes wire hashes
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
     value = os.environ.get(_INT_HASHES_ENV, "1")
     try:
         return int(value) != 0
@@ -81,7 +82,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class OffloadGroup:
-    """Geometry of one offloaded KV-cache group (C§5.2).
+    """Geometry of one offloaded KV-cache group (vLLM's offloading ``config.py``).
 
     ``tokens_per_block`` is the group's block size in tokens (times DCP when sharded);
     ``kind`` one of :data:`kvevents.events.SPEC_KINDS`; ``sliding_window`` the window in
@@ -151,7 +152,7 @@ class OffloadEventTranslator:
     Args:
         groups: geometry per group index; needed for self-describing mode and for
             :meth:`chunk_keys`.  Placeholder mode works without it.
-        blocks_per_chunk: device blocks per offloaded chunk (C§5.2).
+        blocks_per_chunk: device blocks per offloaded chunk.
         tokens_per_hash: tokens per raw request hash (vLLM's ``hash_block_size``);
             default: the GCD of the groups' ``tokens_per_block``.
         self_describing: opt into self-describing stores for full-attention groups.
@@ -231,7 +232,8 @@ class OffloadEventTranslator:
     def chunk_keys(
         self, block_hashes: Sequence[bytes], group_idx: int
     ) -> list[tuple[OffloadKey, int]]:
-        """``(key, end-token position)`` of every complete chunk of a request (C§5.3).
+        """``(key, end-token position)`` of every complete chunk of a request (vLLM's
+        ``RequestOffloadState.update_offload_keys``).
 
         ``block_hashes`` are the request's raw chained digests at ``tokens_per_hash``
         granularity; chunk c's key is the digest at index ``(c+1)·hashes_per_chunk − 1``.

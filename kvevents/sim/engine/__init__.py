@@ -1,6 +1,7 @@
 """A simulated engine: scheduler steps over a GPU block pool, CPU offload, one publisher.
 
-Each :meth:`SimEngine.step` is one engine step (C§2.5):
+Each :meth:`SimEngine.step` is one engine step (one batch per step, as vLLM's scheduler
+publishes):
 
 1. waiting requests (preempted ones first) are admitted while blocks allow.  The GPU hit
    is found as vLLM's ``KVCacheManager.get_computed_blocks`` finds it: capped at

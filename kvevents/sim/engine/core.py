@@ -148,7 +148,7 @@ class SimEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Reset the GPU prefix cache (``AllBlocksCleared``) and the CPU tier (silent,
-        C§6.2).  Returns ``False`` while requests hold blocks (nothing changes)."""
+        as in vLLM).  Returns ``False`` while requests hold blocks (nothing changes)."""
         ok = self.pool.reset()
         if ok and self.offload is not None:
             self.offload.reset()
@@ -316,7 +316,7 @@ class SimEngine:
     def _finish(self, run: RunningRequest) -> None:
         self._running.remove(run)
         if self.offload is not None:
-            # A finished request stores up to num_tokens - 1 (C§5.7).
+            # A finished request stores up to num_tokens - 1 (as vLLM's offload scheduler).
             self.stats.chunks_offered += self.offload.store(
                 run.hasher.digests, run.blocks, len(run.tokens) - 1, run.req.request_id
             )

@@ -38,8 +38,9 @@ class SimEngineConfig:
     """Shape of one simulated engine.
 
     * ``groups``: the KV-cache groups; several with different block sizes make a hybrid
-      model (hashes at the GCD granularity, C§4.1); ``KVCacheGroupSpec(bs,
-      "sliding_window", sliding_window=w)`` adds a sliding-window group.
+      model (hashes at the GCD granularity, vLLM's ``hash_block_size``);
+      ``KVCacheGroupSpec(bs, "sliding_window", sliding_window=w)`` adds a sliding-window
+      group.
     * ``num_gpu_blocks``: physical GPU blocks shared by all groups.
     * ``num_cpu_chunks``: CPU offload capacity in chunks (0 turns offload off);
       ``blocks_per_chunk`` GPU blocks per chunk; ``cpu_cache_policy`` ``"lru"``/``"arc"``.

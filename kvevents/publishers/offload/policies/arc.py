@@ -1,4 +1,4 @@
-"""Adaptive Replacement Cache policy (C§5.5).
+"""Adaptive Replacement Cache policy (vLLM's ``ARCCachePolicy``).
 
 State: ``T1`` (keys seen once), ``T2`` (keys reused), ghost lists ``B1``/``B2`` (keys
 recently evicted from T1/T2, no data) and the target size ``p`` of T1 (a float starting

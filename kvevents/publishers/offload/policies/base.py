@@ -1,6 +1,7 @@
 """The cache-policy interface of :class:`~kvevents.publishers.offload.CPUOffloadingManager`.
 
-A policy orders the chunks the manager holds and chooses eviction victims (C§5.5).  The
+A policy orders the chunks the manager holds and chooses eviction victims, as vLLM's
+``cpu/policies/``.  The
 manager owns the chunk slots and reference counts; the policy owns recency.
 
 Contracts:

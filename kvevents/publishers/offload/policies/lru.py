@@ -1,4 +1,4 @@
-"""Least-recently-used policy with request-aware ranks (C§5.5).
+"""Least-recently-used policy with request-aware ranks (vLLM's ``LRUCachePolicy``).
 
 Every tracked key has a logical rank ``(major, minor)``; the smallest evictable rank is
 evicted first.
