@@ -13,7 +13,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,13 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _connected(url: str) -> bool:
+    try:
+        return "kvevents_pending_exchange_connected 1.0" in _get(url + "/metrics")
+    except OSError:
+        return False
+
+
 def _chat(question: str) -> dict[str, Any]:
     return {
         "messages": [
@@ -70,17 +77,22 @@ def _top(url: str, question: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def fleet(nats_server: LocalNatsServer) -> Iterator[tuple[list[str], LocalNatsServer]]:
+def fleet(
+    nats_server: LocalNatsServer,
+) -> Iterator[tuple[list[str], LocalNatsServer, Callable[[int], None]]]:
+    """Two engines, two replicas on one nats-server; yields their URLs, the server, and
+    ``restart(i)``: stop replica i and start it again (same port and name)."""
     sim = subprocess.Popen(
         [sys.executable, "-m", "kvevents", "sim", "serve", "--engines", "2",
          "--prefill-us-per-token", "2500"],
         env=_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    procs = [sim]
+    procs: list[subprocess.Popen[Any]] = [sim]
     try:
         assert sim.stdout is not None
         engines = [sim.stdout.readline().split(" ", 1)[1].strip() for _ in range(2)]
         urls = []
+        cmds = []
         for i in range(2):
             port = free_port()
             cmd = [sys.executable, "-m", "kvevents", "serve", "--port", str(port),
@@ -90,15 +102,20 @@ def fleet(nats_server: LocalNatsServer) -> Iterator[tuple[list[str], LocalNatsSe
                 cmd += ["--engine", e]
             procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
+            cmds.append(cmd)
+
+        def connected() -> bool:
+            return all(_connected(u) for u in urls)
+
+        def restart(i: int) -> None:
+            procs[1 + i].terminate()
+            procs[1 + i].wait(timeout=10)
+            procs[1 + i] = subprocess.Popen(cmds[i], env=_env(), stdout=subprocess.DEVNULL)
+            assert wait_until(lambda: _ready(urls[i]) and connected(), 60)
+
         assert wait_until(lambda: all(_ready(u) for u in urls), 60)
-        # both replicas' exchanges are connected
-        assert wait_until(
-            lambda: all(
-                "kvevents_pending_exchange_connected 1.0" in _get(u + "/metrics") for u in urls
-            ),
-            30,
-        )
-        yield urls, nats_server
+        assert wait_until(connected, 30)  # both replicas' exchanges are connected
+        yield urls, nats_server, restart
     finally:
         for p in procs:
             p.terminate()
@@ -110,9 +127,9 @@ def fleet(nats_server: LocalNatsServer) -> Iterator[tuple[list[str], LocalNatsSe
 
 
 def test_a_sibling_routed_by_one_replica_is_pending_on_the_other(
-    fleet: tuple[list[str], LocalNatsServer],
+    fleet: tuple[list[str], LocalNatsServer, Callable[[int], None]],
 ) -> None:
-    (a, b), nats = fleet
+    (a, b), nats, _ = fleet
     # nothing is pending anywhere yet
     assert _top(b, "second question")["pending"] == 0
     first: dict[str, Any] = {}
@@ -153,12 +170,12 @@ def test_a_sibling_routed_by_one_replica_is_pending_on_the_other(
 
 
 def test_a_request_that_ends_unstored_ends_on_the_other_replica_too(
-    fleet: tuple[list[str], LocalNatsServer],
+    fleet: tuple[list[str], LocalNatsServer, Callable[[int], None]],
 ) -> None:
     """The engine refuses the request (its context is too long for the answer asked):
     its reservation, taken before sending, is contradicted at its origin and the end
     travels, so the other replica stops crediting it long before its 20 s TTL."""
-    (a, b), _ = fleet
+    (a, b), _, _ = fleet
     body = _chat("too long an answer")
     body["max_tokens"] = 1_000_000
     req = urllib.request.Request(
@@ -177,3 +194,28 @@ def test_a_request_that_ends_unstored_ends_on_the_other_replica_too(
     metrics = _get(b + "/metrics")
     assert "kvevents_pending_contradicted_total 1.0" in metrics
     assert "kvevents_pending_entries 0.0" in metrics
+
+
+def test_a_restarted_replica_loses_only_its_overlay(
+    fleet: tuple[list[str], LocalNatsServer, Callable[[int], None]],
+) -> None:
+    """Replica B restarts while A's request is in flight: B comes back ready with the
+    engines' state from their events (replayed), an empty overlay, and hears A's next
+    reservation."""
+    (a, b), _, restart = fleet
+    status, _, worker = _post(a + "/v1/chat/completions", _chat("before the restart"))
+    assert status == 200
+    restart(1)
+    # the engines' state came back from their events: the context is confirmed on GPU
+    assert wait_until(lambda: _top(b, "after")["gpu"] > 800, 20)
+    top = _top(b, "after")
+    assert f"{top['engine']}:{top['rank']}" == worker and top["pending"] == 0
+    assert "kvevents_pending_entries 0.0" in _get(b + "/metrics")
+    # and the exchange works again: a new context routed by A is pending on B
+    other = {"messages": [{"role": "system", "content": "new " + CONTEXT}], "max_tokens": 4}
+    t = threading.Thread(target=lambda: _post(a + "/v1/chat/completions", other))
+    t.start()
+    try:
+        assert wait_until(lambda: _post(b + "/route", other)[1]["ranked"][0]["pending"] > 800, 20)
+    finally:
+        t.join(60)
