@@ -158,7 +158,21 @@ inline void read_bits(PyObject* o, size_t words, Bits& out, std::vector<unsigned
     throw WalkError{};
   }
   if (words == 0) return;
-#if PY_VERSION_HEX >= 0x030D0000
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+  // CPython <= 3.11: the int's 30-bit digits, least significant first, read directly
+  // (the fast path: one per key of a walk)
+  (void)scratch;
+  const PyLongObject* v = reinterpret_cast<const PyLongObject*>(o);
+  const Py_ssize_t nd = Py_SIZE(o);  // > 0 here (0 for zero)
+  size_t bit = 0;
+  for (Py_ssize_t i = 0; i < nd; ++i, bit += 30) {
+    const uint64_t d = static_cast<uint64_t>(v->ob_digit[i]);
+    const size_t w = bit / 64, off = bit % 64;
+    if (w >= words) break;
+    out[w] |= d << off;
+    if (off > 34 && w + 1 < words) out[w + 1] |= d >> (64 - off);
+  }
+#elif PY_VERSION_HEX >= 0x030D0000
   Py_ssize_t r = PyLong_AsNativeBytes(o, out.data(), static_cast<Py_ssize_t>(words * 8),
                                       Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
   if (r < 0) throw WalkError{};
