@@ -18,6 +18,7 @@ from kvevents.capture import CaptureReader
 from kvevents.codec import decode_batch
 from kvevents.engines import parse_engine_spec
 from kvevents.errors import ConfigError, DecodeError, KVEventsError
+from kvevents.jetstream.connection import connect_jetstream
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import DEFAULT_STREAM, BatchHeaders, subject_for
 from kvevents.jetstream.reader import JetStreamSubscriber
@@ -91,9 +92,8 @@ def publish_capture(
             msgs.append((subject_for(name, rank), rec.payload, h.to_nats()))
 
     async def send() -> tuple[int, int]:
-        import nats as nats_mod
-
-        nc = await nats_mod.connect(url, connect_timeout=5)
+        link = await connect_jetstream(url)
+        nc = link.nc
         try:
             js = nc.jetstream()
             await ensure_stream(js, stream)
@@ -108,7 +108,7 @@ def publish_capture(
                         appended += 1
             return appended, dups
         finally:
-            await nc.close()
+            await link.close()
 
     loop = LoopThread("kvevents-replay-jetstream")
     try:

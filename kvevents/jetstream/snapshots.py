@@ -27,6 +27,7 @@ import msgspec
 from kvevents.consumers.index import BlockIndex
 from kvevents.consumers.subscriber import Anomaly, ReceivedBatch
 from kvevents.errors import ConfigError
+from kvevents.jetstream.connection import connect_jetstream
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import DEFAULT_STREAM
 from kvevents.jetstream.reader import JetStreamSubscriber, StreamPosition
@@ -89,13 +90,9 @@ class SnapshotStore:
             raise
 
     async def _open(self) -> tuple[Any, Any]:
-        import nats
         from nats.js.errors import BucketNotFoundError
 
-        try:
-            nc = await nats.connect(self.url, connect_timeout=5)
-        except Exception as exc:
-            raise ConfigError(f"cannot connect to NATS at {self.url}: {exc}") from exc
+        nc = (await connect_jetstream(self.url)).nc  # one-line errors, quiet reconnects
         js = nc.jetstream()
         try:
             obs = await js.object_store(self.bucket)

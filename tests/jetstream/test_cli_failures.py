@@ -67,10 +67,25 @@ def commands(url: str, tmp_path: Path) -> dict[str, list[str]]:
         "record": ["record", url, "-o", str(tmp_path / "x.kvcap"), "--duration", "2"],
         "relay": ["relay", "--nats", url, "--engine", engine, "--duration", "2"],
         "serve": ["serve", "--nats", url, "--engine", "e=http://127.0.0.1:1", "--port", "0"],
+        "replay": ["replay", str(REPO / "examples" / "sample.kvcap"), "--publish", url],
+        "snapshots": [
+            "relay",
+            "--nats",
+            url,
+            "--engine",
+            engine,
+            "--snapshot-every",
+            "10",
+            "--duration",
+            "2",
+        ],
     }
 
 
-@pytest.mark.parametrize("command", ["record", "relay", "serve"])
+ALL = ["record", "relay", "serve", "replay", "snapshots"]
+
+
+@pytest.mark.parametrize("command", ALL)
 def test_closed_port_is_one_line(command: str, tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -85,7 +100,7 @@ def test_closed_port_is_one_line(command: str, tmp_path: Path) -> None:
     assert not (tmp_path / "x.kvcap").exists()  # nothing written when nothing was reached
 
 
-@pytest.mark.parametrize("command", ["record", "relay", "serve"])
+@pytest.mark.parametrize("command", ALL)
 def test_server_without_jetstream_is_one_line(
     command: str, plain_nats: LocalNatsServer, tmp_path: Path
 ) -> None:
