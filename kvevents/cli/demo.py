@@ -116,6 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
 
+    if args.disaggregated:
+        return _disaggregated(args, config, progress, status)
     try:
         report = run_demo(config, progress=progress, on_start=on_start)
     finally:
@@ -144,6 +146,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"kvevents: error: {plot_error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _disaggregated(args: argparse.Namespace, config: Any, progress: Any, status: Any) -> int:
+    """``kvevents demo --disaggregated``: the prefill/decode scenario's table (or JSON)."""
+    from kvevents.demo.disagg import DISAGG_POLICIES, format_disagg, run_disagg
+
+    if args.pd_min_uncached_tokens < 0:
+        raise ConfigError("--pd-min-uncached-tokens must be >= 0")
+    policies = [p for p in (args.policy or DISAGG_POLICIES)]
+    try:
+        results = run_disagg(
+            config,
+            prefill=args.prefill,
+            decode=args.decode,
+            min_uncached=args.pd_min_uncached_tokens,
+            policies=policies,
+            progress=progress,
+        )
+    finally:
+        status.done()
+    if args.json:
+        print(json.dumps({"disaggregated": [r.as_json() for r in results]}), flush=True)
+    else:
+        print(format_disagg(results), flush=True)
+    return 0 if all(r.failed == 0 for r in results) else 1
 
 
 def _write_plot(write_plot: Any, report: Any, path: str) -> tuple[str | None, str | None]:

@@ -285,6 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write every batch the demo's subscriber receives to this capture file",
     )
+    p.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="the prefill/decode scenario instead: prefill and decode engines, the KV-aware "
+        "prefill choice against round-robin, reuse on the prefill engines",
+    )
+    p.add_argument(
+        "--prefill", type=positive_int, default=3, help="prefill engines with --disaggregated (3)"
+    )
+    p.add_argument(
+        "--decode", type=positive_int, default=2, help="decode engines with --disaggregated (2)"
+    )
+    p.add_argument(
+        "--pd-min-uncached-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="with --disaggregated, split a request when its best prefill engine would "
+        "compute at least N tokens (64)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_demo)

@@ -34,7 +34,8 @@ class LocalStack:
     the engines (their :attr:`~SimHTTPEngine.url` can be called directly).  With
     ``events_port`` P, engine i publishes on port P + i and serves replay on P + 100 + i
     (otherwise free ports).  ``capture`` (a ``CaptureWriter``) records every batch the
-    service receives.
+    service receives.  ``prefill`` / ``decode`` add engines ``prefill-i`` /
+    ``decode-i`` of those roles after the ``engines`` ones (a disaggregated fleet).
     """
 
     def __init__(
@@ -47,10 +48,17 @@ class LocalStack:
         events_port: int | None = None,
         events_host: str = "127.0.0.1",
         capture: Any = None,
+        prefill: int = 0,
+        decode: int = 0,
     ) -> None:
-        if engines < 1:
+        if engines < 0 or prefill < 0 or decode < 0 or engines + prefill + decode < 1:
             raise ConfigError("a stack needs at least one engine")
         self.n = engines
+        self.named = (
+            [(f"sim-{i}", "both") for i in range(engines)]
+            + [(f"prefill-{i}", "prefill") for i in range(prefill)]
+            + [(f"decode-{i}", "decode") for i in range(decode)]
+        )
         self.serve_config = serve or ServeConfig()
         self.sim_config = sim or SimHTTPConfig()
         self.engines: list[SimHTTPEngine] = []
@@ -90,11 +98,12 @@ class LocalStack:
 
         from kvevents.serve.app import ServeApp
 
-        for i in range(self.n):
+        for i, (name, role) in enumerate(self.named):
             p, h = self._events_port, self._events_host
             e = SimHTTPEngine(
-                f"sim-{i}",
+                name,
                 self.sim_config,
+                role=role,
                 events=f"tcp://{h}:{p + i}" if p else f"tcp://{h}:0",
                 replay=f"tcp://{h}:{p + 100 + i}" if p else f"tcp://{h}:0",
             )
