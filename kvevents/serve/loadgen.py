@@ -398,7 +398,7 @@ def format_loadgen(report: LoadgenReport) -> str:
         )
         for path, d in j["paths"].items():
             lines.append(
-                f"{path:<13}{d['requests']} requests, reuse {d['prefix_reuse']:.1%} "
+                f"{path:<13} {d['requests']} requests, reuse {d['prefix_reuse']:.1%} "
                 f"({d['reused_tokens']}/{d['prompt_tokens']}), TTFT p50 {ms(d['ttft_p50_s'])} "
                 f"p90 {ms(d['ttft_p90_s'])}"
             )

@@ -84,3 +84,44 @@ def test_engine_role_in_specs_and_config_files(tmp_path: object) -> None:
     )
     config = load_config(config_file=str(cfg), environ={})
     assert config.engines[0].role == "decode" and config.pd_min_uncached_tokens == 128
+
+
+def test_loadgen_reports_reuse_and_ttft_per_path() -> None:
+    from kvevents.serve.loadgen import LoadgenConfig, LoadgenReport, RequestRecord, format_loadgen
+
+    split = RequestRecord(0, 1, True, 200, "decode-0:0", 0.2, 0.5, 100, 99, 8)
+    split.prefill, split.prefill_cached = "prefill-0:0", 64
+    whole = RequestRecord(1, 0, True, 200, "decode-1:0", 0.1, 0.3, 50, 16, 8)
+    report = LoadgenReport(LoadgenConfig("http://x"), [split, whole], 1.0)
+    paths = report.to_json()["paths"]
+    # a split request's reuse is its prefill engine's, not the decode's transferred prefix
+    assert paths["disaggregated"]["prefix_reuse"] == 0.64
+    assert paths["whole"]["prefix_reuse"] == 0.32
+    assert paths["disaggregated"]["ttft_p50_s"] == 0.2
+    text = format_loadgen(report)
+    assert "prefill      prefill-0:0: 1" in text and "disaggregated 1 requests" in text
+
+
+def test_a_decode_engine_gone_is_failed_over_with_the_same_parameters() -> None:
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from kvevents.demo.stack import LocalStack
+    from kvevents.serve import ServeConfig
+
+    serve = ServeConfig(scrape_interval_s=60.0, pd_min_uncached_tokens=16)
+    with LocalStack(0, serve=serve, prefill=1, decode=2) as stack:
+        names = [e.name for e in stack.engines]
+        stack.stop_engine(names.index("decode-0"))  # the service has not noticed yet
+        for i in range(3):
+            body = {
+                "messages": [{"role": "user", "content": f"Tell me story {i}. " * 20}],
+                "max_tokens": 4,
+            }
+            r = httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvevents-prefill"] == "prefill-0:0"
+            assert r.headers["x-kvevents-worker"] == "decode-1:0"
+        decode1 = stack.engines[names.index("decode-1")]
+        assert len(decode1.transfers.received) == 3
+        assert decode1.transfers.received.keys() == stack.engines[0].transfers.sent.keys()
