@@ -78,11 +78,11 @@ class Reservations:
         router = self.router
         if router is None:
             return None
-        with self.fleet.lock:  # (the canonical unit comes from the index's layout)
-            keys = router.request_keys(key)
-            self.overlay.sweep(self.fleet.index)  # what is due ends, confirmed or not
+        keys = router.request_keys(key)  # (outside the lock: no index state read)
         if not keys:
             return None
+        with self.fleet.lock:
+            self.overlay.sweep(self.fleet.index)  # what is due ends, confirmed or not
         rid = self.overlay.reserve(self.fleet.worker_id(state), keys)
         if rid is not None and self.publish is not None:
             self.publish(state, keys, self.overlay.ttl_s, rid)

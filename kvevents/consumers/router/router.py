@@ -312,9 +312,10 @@ class Router:
         mm_features: Sequence[MMFeature] | None = None,
     ) -> list[int]:
         """The request's chained content keys at the index's canonical block size (what
-        the index and the overlay key blocks by); empty with prompt embeddings."""
+        the index and the overlay key blocks by); empty with prompt embeddings.  Reads
+        no index state (no lock needed)."""
         tokens, key = _request_key(request, lora_name, cache_salt, mm_features, None)
-        return _content_keys(tokens, key, self.index.layout().canonical)
+        return _content_keys(tokens, key, self.index.canonical_block_size)
 
     def _pending_live(self) -> bool:
         """Whether pending reservations may change a cost."""
