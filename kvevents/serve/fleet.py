@@ -64,7 +64,7 @@ from kvevents.consumers import (
     Subscriber,
     ZmqSource,
 )
-from kvevents.consumers.sources import REPLAY_END
+from kvevents.consumers.source_protocol import CONNECTED, DISCONNECTED, REPLAY_END
 from kvevents.consumers.subscriber.items import BAD_FRAME_KIND, LIVE_AGAIN, STALE, UNDECODABLE
 from kvevents.consumers.subscriber.streams import fingerprint
 from kvevents.errors import ConfigError
@@ -175,37 +175,16 @@ class RankState:
         return sum(n for _, n in self._times) / _RATE_WINDOW_S
 
 
-_CONNECTED = "connected"  # source messages of subscribers that monitor their sockets
-_DISCONNECTED = "disconnected"
-
-
 class _WatchedSource:
     """A :class:`ZmqSource` that tells its :class:`RankState` when the publisher is
-    connected and when a replay was answered (end marker).
-
-    A source that monitors its own SUB socket (and reports ``connected`` /
-    ``disconnected`` messages) is followed through those; otherwise a ZMQ socket
-    monitor is attached here.  Everything else is delegated to the wrapped source.
+    connected (the source monitors its SUB socket and reports ``connected`` /
+    ``disconnected`` messages) and when a replay was answered (end marker).  Everything
+    else is delegated to the wrapped source.
     """
 
     def __init__(self, inner: ZmqSource, state: RankState) -> None:
         self.inner = inner
         self.state = state
-        self.monitor: zmq.Socket[bytes] | None = None
-        if getattr(inner, "monitored", False):
-            return
-        sub = inner.sockets()[0]
-        try:
-            self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        except zmq.ZMQError:  # pragma: no cover - monitoring unsupported: assume connected
-            state.connected = True
-            return
-        if inner.bound_endpoint is None:
-            # The SUB connected before the monitor existed, and on loopback the connection
-            # may already be up: connect again so the monitor sees it happen.  Nothing is
-            # lost: the subscriber catches every stream up by replay.
-            sub.disconnect(inner.endpoint)
-            sub.connect(inner.endpoint)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -235,9 +214,9 @@ class _WatchedSource:
             if msg.kind == REPLAY_END:
                 self.state.replay_answered = True
                 self.state.replay_ends += 1
-            elif msg.kind == _CONNECTED:
+            elif msg.kind == CONNECTED:
                 self.state.connected = True
-            elif msg.kind == _DISCONNECTED:
+            elif msg.kind == DISCONNECTED:
                 self.state.connected = False
         return out
 
@@ -247,37 +226,7 @@ class _WatchedSource:
     def cancel_replay(self, *args: Any, **kwargs: Any) -> None:
         self.inner.cancel_replay(*args, **kwargs)
 
-    def poll_monitor(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        mon = self.monitor
-        if mon is None:
-            return
-        while True:
-            try:
-                evt = recv_monitor_message(mon, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # pragma: no cover - closed under us
-                return
-            if evt["event"] == zmq.EVENT_CONNECTED:
-                self.state.connected = True
-            elif evt["event"] == zmq.EVENT_DISCONNECTED:
-                self.state.connected = False
-
-    def close_monitor(self) -> None:
-        if self.monitor is not None:
-            socks = self.inner.sockets()
-            if socks:
-                try:
-                    socks[0].disable_monitor()
-                except zmq.ZMQError:  # pragma: no cover
-                    pass
-            self.monitor.close(0)
-            self.monitor = None
-
     def close(self) -> None:
-        self.close_monitor()
         self.inner.close()
 
 
@@ -407,8 +356,6 @@ class Fleet:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        for s in self._sources:
-            s.close_monitor()
         self.subscriber.close()
         for s in self._sources:
             s.close()
@@ -529,15 +476,7 @@ class Fleet:
 
     def _loop(self) -> None:
         sub = self.subscriber
-        next_monitor = 0.0
         while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_monitor:
-                for s in self._sources:
-                    s.poll_monitor()
-                # often while a stream is still connecting, then a few times a second
-                settled = all(st.connected for st in self.ranks)
-                next_monitor = now + (0.25 if settled else 0.02)
             if self._snapshot_requests:
                 self._serve_snapshots()
             item = sub.receive(timeout=0.05)
