@@ -122,12 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="KV_EVENTS",
         help="JetStream stream to read when ENDPOINT is nats://HOST:PORT (default KV_EVENTS)",
     )
-    p.add_argument(
-        "--from-start",
-        action="store_true",
-        help="fetch each publisher's buffered history from seq 0 when first seen "
-        "(now always done; kept for compatibility)",
-    )
     stop = p.add_mutually_exclusive_group()
     stop.add_argument("--duration", type=positive_seconds, metavar="S", help="stop after S seconds")
     stop.add_argument(

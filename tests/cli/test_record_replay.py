@@ -69,7 +69,6 @@ def test_record_live_engines_then_replay_into_index_matches_live(
         cmd = [sys.executable, "-m", "kvevents.cli", "record", *cluster.endpoints, "-o", str(out)]
         for rep in cluster.replay_endpoints:
             cmd += ["--replay-endpoint", str(rep)]
-        cmd += ["--from-start"]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         live = consumers.Subscriber(
