@@ -43,6 +43,25 @@ The rules:
   replay and holds live delivery until it answers.  Without a replay endpoint
   (``replayable=False``) nothing can be checked and a suspect seq is taken as a restart,
   as vLLM's own rule says.
+* **A jump is vouched for before it is applied** (``vouch_jumps``, for a stream whose
+  replay endpoint answers requests).  A live batch more than one seq beyond the live
+  seqs seen (a *jump*: live loss, or a frame the publisher never sent), one inside the
+  range seen (filling a hole) and one that follows a held batch are *held*: never
+  released on their own.  A reply under a held seq vouches for it (same payload: the
+  live copy is delivered) or disowns it (another payload); a replay asked after it
+  arrived that brings nothing new and ends below it disowns it too (the publisher had
+  not sent it when it answered).  Held batches that arrived while a replay ran and
+  follow the newest seq it covered without a hole are the stream going on.  Only live
+  seqs that arrived in order (or were vouched for) count as passed by the live path, so
+  a forged seq far ahead never makes the seqs below it lost.  A batch contradicting an
+  applied seq is checked by a replay from ``last``: when that shows the same stream it
+  is disowned, and when the check gets no answer it is not taken as a restart (a
+  :meth:`verify` after a reconnect still is).  Disowned batches are reported
+  ``disowned_seq``, dropped, and never reset anything.  When no replay can answer (it
+  failed, or rounds ran out), held batches are released unchecked.  A forged batch
+  under the next seq the live path expects, sent before the publisher's own (or under a
+  seq the publisher sends within one replay round trip), cannot be told apart and is
+  applied: authenticate the publisher (CURVE) where that matters.
 * **Catch-up.**  A new stream is replayed from seq 0: the ring answers from its oldest
   seq; what it no longer has is reported as ``history_missed`` (the index starts
   incomplete; nothing to reset).  With ``catch_up=False`` (or no replay endpoint) the
@@ -60,6 +79,7 @@ from typing import Generic, TypeVar
 from kvevents.errors import ConfigError
 from kvevents.seqhistory import SeqHistory
 from kvevents.tracker_actions import (
+    DISOWNED_SEQ,
     DUPLICATE,
     GAP,
     HISTORY_MISSED,
@@ -73,6 +93,7 @@ from kvevents.tracker_actions import (
 )
 
 __all__ = [
+    "DISOWNED_SEQ",
     "DUPLICATE",
     "GAP",
     "HISTORY_MISSED",
@@ -93,6 +114,11 @@ _NOT_IN_RING = "not in the publisher's replay buffer"
 _MAX_ROUNDS = 8
 """Replay rounds in a row that may each leave holes above what they covered."""
 
+_NEAR_JUMP = 1024
+"""A jump at most this far ahead of the live seqs seen (live loss, usually) lets the
+batches that follow it count as in order; a farther one (a forged seq far ahead, say)
+does not, so it cannot make a forged seq below it look in order."""
+
 _Pending = tuple[T, Hashable, bool]  # (item, fingerprint, replayed)
 
 
@@ -104,8 +130,10 @@ class StreamTracker(Generic[T]):
     from seq 0 (the default).  ``history`` is how many delivered seqs keep a fingerprint
     (and how far back lost ranges are remembered for ``late``); ``max_pending`` bounds
     the live batches buffered during a replay: beyond it the replay is abandoned, its
-    holes are reported lost and the buffer is released.  Raises :class:`~kvevents.errors.ConfigError` (a
-    ``ValueError``) for a bound below 1.
+    holes are reported lost and the buffer is released.  ``vouch_jumps``: a live seq
+    that jumps ahead waits for a replay to vouch for it (see the module docstring; for a
+    stream whose replay endpoint answers requests, not a capture).  Raises
+    :class:`~kvevents.errors.ConfigError` (a ``ValueError``) for a bound below 1.
     """
 
     def __init__(
@@ -115,10 +143,12 @@ class StreamTracker(Generic[T]):
         catch_up: bool = True,
         history: int = 4096,
         max_pending: int = 100_000,
+        vouch_jumps: bool = False,
     ) -> None:
         if history < 1 or max_pending < 1:
             raise ConfigError(f"history and max_pending must be >= 1, got {history}, {max_pending}")
         self._replayable = replayable
+        self._vouch = vouch_jumps and replayable
         self._catch_up = catch_up
         self._history = history
         self._max_pending = max_pending
@@ -133,7 +163,10 @@ class StreamTracker(Generic[T]):
         self._ring = self._past.ring
         self._pending: dict[int, _Pending[T]] = {}
         self._heap: list[int] = []
-        self._front = -1
+        self._front = -1  # newest live seq that arrived in order, or was vouched for
+        self._raw = -1  # newest live seq seen, far jumps excluded
+        self._unvouched: dict[int, int] = {}  # held seq -> replay id when it came
+        self._suspects: list[int] = []  # seqs that raised the running identity check
         self._quiet = False
         self._replaying = False
         self._check: int | None = None  # seq whose fingerprint the running replay checks
@@ -268,7 +301,17 @@ class StreamTracker(Generic[T]):
             return self._first_live(seq, item, fingerprint)
         if seq < nxt:
             return self._old(seq, item, fingerprint)
-        if seq > self._front:
+        front = self._front
+        raw = self._raw if self._raw > front else front
+        vouch = self._vouch
+        jump = vouch and seq > raw + 1
+        # Held for a replay's word: a jump, a batch inside the range seen (a reordered
+        # batch filling a hole, or one the publisher never sent), or one that follows a
+        # batch held.
+        held = jump or (vouch and (seq < raw or (seq == raw + 1 and raw in self._unvouched)))
+        if seq > raw and (not jump or seq - raw <= _NEAR_JUMP):
+            self._raw = seq  # (live batches that follow a near jump are no jumps)
+        if not held and seq > front:
             self._front = seq
         entry = self._pending.get(seq)
         if entry is not None:
@@ -280,6 +323,8 @@ class StreamTracker(Generic[T]):
             self._release(out)
             return out
         self._buffer(seq, item, fingerprint, False)
+        if held:
+            self._unvouched[seq] = self._replay_id
         if self._replaying:
             if len(self._pending) > self._max_pending:
                 return self.replay_failed(
@@ -314,7 +359,18 @@ class StreamTracker(Generic[T]):
                 self._unhold(out)
                 self._covered = max(self._covered, seq)
                 out.append(Drop(seq, "replay_overlap"))
+                for s in self._suspects:
+                    out.append(
+                        Report(
+                            DISOWNED_SEQ,
+                            s,
+                            s,
+                            f"contradicts applied seqs, and the replay shows seq {seq} unchanged",
+                        )
+                    )
+                self._suspects.clear()
                 return out
+            self._suspects.clear()
             self._unhold(out)  # the ring moved past ``last``: identity cannot be checked
         self._covered = max(self._covered, seq)
         nxt = self._next
@@ -324,8 +380,10 @@ class StreamTracker(Generic[T]):
             return out
         if seq > nxt:
             # The ring skipped next..seq-1 (except what this replay already offered and
-            # was left to the live path); what the live path already passed is gone.
-            front = self._front if self._front >= 0 and not self._quiet else seq - 1
+            # was left to the live path); what the live path already passed is gone
+            # (near jumps count: a reply of this ring vouches for them or disowns them).
+            front = max(self._front, self._raw)
+            front = front if front >= 0 and not self._quiet else seq - 1
             self._resolve(min(seq - 1, front, self._ahead - 1), _NOT_IN_RING, out)
             nxt = self._next
             assert nxt is not None
@@ -337,9 +395,27 @@ class StreamTracker(Generic[T]):
         if entry is not None:
             self._heap.remove(seq)
             heapq.heapify(self._heap)
-            out.append(
-                Drop(seq, "replay_overlap" if entry[1] == fingerprint else "replay_mismatch")
-            )
+            jumped = self._unvouched.pop(seq, None) is not None
+            if entry[1] == fingerprint:
+                out.append(Drop(seq, "replay_overlap"))
+                if jumped and seq > self._front:
+                    self._front = seq  # a jump vouched for: the live path passed it
+                if jumped and seq > self._raw:
+                    self._raw = seq
+                if jumped:  # the live copy, vouched for (the same bytes), as it came
+                    out.append(self._deliver(seq, entry[0], fingerprint, entry[2]))
+                    self._release(out)
+                    return out
+            else:
+                out.append(Drop(seq, "replay_mismatch"))
+                out.append(
+                    Report(
+                        DISOWNED_SEQ,
+                        seq,
+                        seq,
+                        "the publisher's replay holds another batch under this seq",
+                    )
+                )
         out.append(self._deliver(seq, item, fingerprint, True))
         self._progress += 1
         self._release(out)
@@ -357,6 +433,16 @@ class StreamTracker(Generic[T]):
             )
         out: list[TrackerAction[T]] = []
         self._unhold(out)
+        if self._unvouched:
+            # A reply that covers what the live path had in order when it was asked is
+            # complete, and one that brought nothing new holds nothing more: either way a
+            # held seq asked about and above it was never sent.  (An empty answer to a
+            # catch-up may predate the stream's first batch: the next round asks again.)
+            complete = 0 <= self._req_front <= self._covered
+            answered = self._replies > 0 or self.last is not None
+            if answered and (complete or not self._progress):
+                self._disown(out)
+            self._continued()
         covered = self._covered
         if self._replies == 0 and self.last is None:
             covered = self._front  # an empty ring: the history before the first seq is gone
@@ -369,8 +455,17 @@ class StreamTracker(Generic[T]):
         self._release(out)
         if not self._heap or self._rounds >= _MAX_ROUNDS:
             if self._heap:
-                self._resolve(self._heap[0] - 1, "replay rounds exhausted", out)
-                self._release(out)
+                self._disown(out)
+                # (no round left to ask: what no reply vouched for is not applied; a real
+                # batch among them shows as a gap again on the live path)
+                for seq in sorted(self._unvouched):
+                    del self._pending[seq]
+                    out.append(Drop(seq, "unvouched"))
+                self._unvouched.clear()
+                self._heap = sorted(self._pending)
+                if self._heap:
+                    self._resolve(self._heap[0] - 1, "replay rounds exhausted", out)
+                    self._release(out)
             self._replaying = False
             self._replay_id += 1
             self._rounds = 0
@@ -405,6 +500,10 @@ class StreamTracker(Generic[T]):
         self._check = None
         self._hold = False
         self._suspect_item = None
+        self._suspects.clear()
+        # Nothing can vouch for the held batches now: released unchecked (the stream falls
+        # back to seq order alone, as without a replay endpoint).
+        self._unvouched.clear()
         if self._heap:
             self._resolve(max(self._pending) - 1, detail, out)
         self._release(out)
@@ -417,12 +516,17 @@ class StreamTracker(Generic[T]):
     # --- internals ------------------------------------------------------------------
     def _first_live(self, seq: int, item: T, fingerprint: Hashable) -> list[TrackerAction[T]]:
         self._next = 0
-        self._front = seq
         if seq == 0:
+            self._front = seq
             return [self._deliver(seq, item, fingerprint, False)]
         if self._catch_up and self._replayable:
             self._buffer(seq, item, fingerprint, False)
+            if self._vouch:  # the catch-up vouches for it (or disowns it)
+                self._unvouched[seq] = self._replay_id
+            else:
+                self._front = seq
             return [self._begin(0, check=None)]
+        self._front = seq
         why = "catch-up is off" if self._replayable else "no replay endpoint"
         out: list[TrackerAction[T]] = []
         self._resolve(seq - 1, f"joined at seq {seq} ({why})", out)
@@ -465,7 +569,8 @@ class StreamTracker(Generic[T]):
     def _release(self, out: list[TrackerAction[T]]) -> None:
         """Deliver the buffered run contiguous with ``next`` (unless held)."""
         heap = self._heap
-        while heap and heap[0] == self._next and not self._hold:
+        jumps = self._unvouched
+        while heap and heap[0] == self._next and not self._hold and heap[0] not in jumps:
             seq = heapq.heappop(heap)
             item, fingerprint, replayed = self._pending.pop(seq)
             out.append(self._deliver(seq, item, fingerprint, replayed))
@@ -477,6 +582,7 @@ class StreamTracker(Generic[T]):
         nxt = self._next
         assert nxt is not None
         heap = self._heap
+        held = self._unvouched
         while nxt <= upto:
             if heap and heap[0] <= upto:
                 seq = heap[0]
@@ -484,6 +590,9 @@ class StreamTracker(Generic[T]):
                     self._report_lost(nxt, seq - 1, detail, out)
                 heapq.heappop(heap)
                 item, fingerprint, replayed = self._pending.pop(seq)
+                # (a held batch among seqs the ring no longer holds: nothing can vouch for
+                # it, and it is the live path's, so it is applied as it came)
+                held.pop(seq, None)
                 out.append(self._deliver(seq, item, fingerprint, replayed))
                 nxt = seq + 1
             else:
@@ -528,17 +637,64 @@ class StreamTracker(Generic[T]):
         out: list[TrackerAction[T]] = [Drop(seq, "mismatch")]
         if not (self._replaying and self._check is not None):
             out.extend(self.verify())
-            self._strict = known
+            self._strict = known and not self._vouch
+        if self._check is not None and seq < (self._next or 0):
+            self._suspects.append(seq)
         if self._hold and known:
-            self._strict = True
+            # (vouch_jumps: a frame alone never resets; only the replay's answer does)
+            if not self._vouch:
+                self._strict = True
             self._suspect_item = (seq, item, fingerprint)
         return out
+
+    def _continued(self) -> None:
+        """At the end of a replay: the held batches that arrived while it ran and follow
+        the newest seq it covered without a hole are the stream going on after the ring's
+        snapshot (a frame there would have to guess the publisher's next seq)."""
+        rid = self._replay_id
+        seq = self._covered + 1
+        held = self._unvouched
+        while seq > 0 and held.get(seq) == rid:
+            del held[seq]
+            if seq > self._front:
+                self._front = seq
+            if seq > self._raw:
+                self._raw = seq
+            seq += 1
+
+    def _disown(self, out: list[TrackerAction[T]]) -> None:
+        """The replay that just ended brought nothing new: every jump buffered before it
+        was asked for and above what it covered is a seq the publisher had not sent when
+        it answered.  Report and discard them."""
+        rid = self._replay_id
+        covered = self._covered
+        gone = [s for s, came in self._unvouched.items() if came < rid and s > covered]
+        if not gone:
+            return
+        newest = f"newest {covered}" if covered >= 0 else "nothing"
+        for seq in sorted(gone):
+            del self._unvouched[seq]
+            del self._pending[seq]
+            out.append(
+                Report(
+                    DISOWNED_SEQ,
+                    seq,
+                    seq,
+                    f"beyond what the publisher's replay holds ({newest}) after it arrived",
+                )
+            )
+        self._heap = sorted(self._pending)
+        held = self._unvouched
+        self._raw = max([self._front, *(s for s in self._heap if s not in held)])
 
     def _unverified(self, detail: str) -> list[TrackerAction[T]]:
         """An identity check failed to answer: reset (a reset is safe, continuing a
         stream that may belong to another process is not) and follow what arrived since
         the check began (and the batch that raised it) as the new stream's start."""
-        batches = {s: b for s, b in self._pending.items() if s not in self._before_hold}
+        held = self._unvouched
+        batches = {
+            s: b for s, b in self._pending.items() if s not in self._before_hold and s not in held
+        }
         if self._suspect_item is not None:
             seq, item, fingerprint = self._suspect_item
             batches.setdefault(seq, (item, fingerprint, False))

@@ -4,7 +4,7 @@ its caller carries out, in order, and the anomaly kinds it reports.
 * :class:`Deliver` - hand this batch to the application (strictly increasing ``seq``;
   nothing is delivered twice between two resets);
 * :class:`Report` - an anomaly the application must see (``gap``, ``duplicate``,
-  ``publisher_restart``, ``unrecoverable_loss``, ``history_missed``);
+  ``publisher_restart``, ``unrecoverable_loss``, ``history_missed``, ``disowned_seq``);
 * :class:`Drop` - something was discarded (count it by reason: ``late``, ``mismatch``,
   ``replay_overlap``, ``replay_ahead``, ``stale_replay``, ...);
 * :class:`StartReplay` - ask the publisher's replay endpoint for every batch it still
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar, Union
 
 __all__ = [
+    "DISOWNED_SEQ",
     "DUPLICATE",
     "GAP",
     "HISTORY_MISSED",
@@ -38,6 +39,12 @@ DUPLICATE = "duplicate"
 PUBLISHER_RESTART = "publisher_restart"
 UNRECOVERABLE_LOSS = "unrecoverable_loss"
 HISTORY_MISSED = "history_missed"
+DISOWNED_SEQ = "disowned_seq"
+"""A live batch the publisher's replay service disowns: its seq is beyond the newest the
+ring held when asked after the batch arrived, or the ring holds another payload under it,
+or it contradicts an applied seq of a stream the replay showed unchanged.  Discarded,
+never applied, never a reason to reset (a forged frame on an unauthenticated socket, or a
+corrupted one)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ the router side and re-exports it unchanged.
 from __future__ import annotations
 
 from kvevents.seqtrack import (
+    DISOWNED_SEQ,
     DUPLICATE,
     GAP,
     HISTORY_MISSED,
@@ -22,6 +23,7 @@ from kvevents.seqtrack import (
 )
 
 __all__ = [
+    "DISOWNED_SEQ",
     "DUPLICATE",
     "GAP",
     "HISTORY_MISSED",

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.consumers.seqtrack import (
+    DISOWNED_SEQ,
     DUPLICATE,
     GAP,
     HISTORY_MISSED,
@@ -41,7 +42,8 @@ def kinds(actions: list[Any]) -> list[str]:
     out = []
     for a in actions:
         if isinstance(a, Deliver):
-            out.append(f"D{a.seq}{'r' if a.replayed else ''}")
+            forged = "f" if isinstance(a.item, tuple) and a.item[0] == 99 else ""
+            out.append(f"D{a.seq}{'r' if a.replayed else ''}{forged}")
         elif isinstance(a, Report):
             out.append(f"{a.kind}:{a.first_seq}-{a.last_seq}")
         elif isinstance(a, StartReplay):
@@ -139,7 +141,8 @@ def test_duplicate_is_dropped_and_a_contradicting_batch_is_checked_not_trusted()
     assert rep(t, 1, 4) == [
         "D5",
         "drop:replay_overlap",
-    ]  # same fingerprint: the old publisher; nothing reset
+        f"{DISOWNED_SEQ}:1-1",
+    ]  # same fingerprint: the old publisher; nothing reset, the contradicting 1 disowned
     assert kinds(t.replay_end(1)) == []
 
 
@@ -301,6 +304,65 @@ def test_too_much_buffered_abandons_the_replay():
     assert not t.replaying
 
 
+# --- frames the publisher never sent (vouch_jumps: a stream with a replay endpoint) ------
+
+
+def forged(t: StreamTracker[Item], seq: int) -> list[str]:
+    return kinds(t.live(seq, (9, seq), (9, seq)))
+
+
+def test_a_forged_seq_far_ahead_is_disowned_by_the_replay_not_a_loss():
+    t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
+    for s in range(5):
+        live(t, s)
+    assert forged(t, 1 << 62) == [f"gap:5-{(1 << 62) - 1}", "replay@4#1"]
+    assert live(t, 5) == ["D5"]  # the stream goes on in order meanwhile
+    assert rep(t, 1, 4) == ["drop:replay_overlap"]
+    assert rep(t, 1, 5) == ["drop:replay_overlap"]
+    # The ring held nothing beyond 5 when it answered: the jump is disowned, nothing lost.
+    assert kinds(t.replay_end(1)) == [f"{DISOWNED_SEQ}:{1 << 62}-{1 << 62}"]
+    assert not t.replaying and t.next_seq == 6
+    assert live(t, 6) == ["D6"]
+
+
+def test_a_forged_seq_just_ahead_waits_and_the_real_one_wins():
+    t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
+    for s in range(5):
+        live(t, s)
+    assert forged(t, 7) == ["gap:5-6", "replay@4#1"]
+    assert live(t, 5) == ["D5"]
+    assert live(t, 6) == ["D6"]  # the forged 7 is not released on its own
+    assert live(t, 7) == ["drop:mismatch"]  # the real 7 collides: the replay decides
+    for s in (4, 5, 6):
+        assert rep(t, 1, s) == ["drop:replay_overlap"]
+    assert rep(t, 1, 7) == ["drop:replay_mismatch", f"{DISOWNED_SEQ}:7-7", "D7r"]
+    assert kinds(t.replay_end(1)) == []
+    assert t.next_seq == 8 and not t.replaying
+
+
+def test_a_real_jump_is_vouched_for_by_its_replay():
+    t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
+    live(t, 0)
+    assert live(t, 3) == ["gap:1-2", "replay@0#1"]
+    assert live(t, 4) == []
+    assert rep(t, 1, 0) == ["drop:replay_overlap"]
+    assert rep(t, 1, 1) == ["D1r"]
+    assert rep(t, 1, 2) == ["D2r"]  # 3 waits for the replay's word
+    assert rep(t, 1, 3) == ["drop:replay_overlap", "D3"]
+    # 4 came after the request and follows the newest seq the ring held: the stream going on.
+    assert kinds(t.replay_end(1)) == ["D4"]
+
+
+def test_a_forged_seq_behind_is_disowned_once_the_replay_shows_the_same_stream():
+    t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
+    for s in range(5):
+        live(t, s)
+    assert forged(t, 2) == ["drop:mismatch", "replay@4#1"]
+    assert rep(t, 1, 4) == ["drop:replay_overlap", f"{DISOWNED_SEQ}:2-2"]
+    assert kinds(t.replay_end(1)) == []
+    assert live(t, 5) == ["D5"]
+
+
 def test_invalid_sizes_are_rejected():
     with pytest.raises(ValueError):
         StreamTracker(history=0)
@@ -362,6 +424,7 @@ _ALLOWED_DROPS = {
     "replay_mismatch",
     "late",
     "mismatch",
+    "unvouched",
 }
 
 
@@ -376,8 +439,13 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
     proved is truly absent from the ring that answered; no restart without one."""
     epochs, buffer_steps = sc["epochs"], sc["buffer"]
     fast = data.draw(st.booleans(), label="live_in_order first")
+    vouch = data.draw(st.booleans(), label="vouch_jumps")
+    # Frames the publisher never sent (epoch 99), with a tracker that can vouch for seqs.
+    # (one publisher lifetime: a forged frame among a restart's own contradictions is
+    # left out of this model)
+    forge = vouch and len(epochs) == 1 and data.draw(st.booleans(), label="forge")
     pubs = [(e, s) for e, n in enumerate(epochs) for s in range(n)]
-    tracker: StreamTracker[Item] = StreamTracker(history=sc["history"])
+    tracker: StreamTracker[Item] = StreamTracker(history=sc["history"], vouch_jumps=vouch)
     out: list[Any] = []
     # Replays waiting to be served: [replay_id, start, replies or None (not yet sent), mode].
     in_flight: deque[list[Any]] = deque()
@@ -393,7 +461,9 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
         for a in actions:
             out.append(a)
             if isinstance(a, StartReplay):
-                mode = data.draw(st.sampled_from(["ok", "ok", "ok", "fail"]), label="mode")
+                # (forged frames: the guarantee is that of a replay service that answers)
+                modes = ["ok"] if forge else ["ok", "ok", "ok", "fail"]
+                mode = data.draw(st.sampled_from(modes), label="mode")
                 in_flight.append([a.replay_id, a.start, None, mode])
             elif (
                 isinstance(a, Report)
@@ -402,6 +472,7 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
                 and "exhausted" not in a.detail
             ):
                 assert a.first_seq is not None and a.last_seq is not None
+                assert a.last_seq - a.first_seq < 1_000, f"a loss far beyond: {kinds(out)}"
                 invented = set(range(a.first_seq, a.last_seq + 1)) & ring_seqs
                 assert not invented, f"reported lost but in the ring: {invented}: {kinds(out)}"
 
@@ -449,6 +520,22 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
             published_upto = now
         elif in_flight and data.draw(st.booleans(), label="serve first"):
             serve(False)
+        # A forged frame once the stream is followed, under a seq far beyond what the
+        # publisher sends, or one already applied.  (Not the next seq the live path
+        # expects, nor one the publisher sends soon after a replay's snapshot: those,
+        # sent before the publisher's own, cannot be told from the stream going on.)
+        nxt = tracker.next_seq
+        if forge and nxt is not None and data.draw(st.integers(0, 5), label="forge") == 0:
+            newest = pubs[published_upto][1]
+            kind = data.draw(st.sampled_from(["far", "huge", "behind"]), label="kind")
+            if kind == "behind":  # (an applied seq: below the next one expected)
+                f = data.draw(st.integers(0, max(nxt - 1, 0)), label="behind")
+            else:
+                f = newest + 5_000 if kind == "far" else (1 << 64) - 1
+            if f != nxt:
+                apply(tracker.live(f, (99, f), (99, f)))
+            if in_flight and data.draw(st.booleans(), label="serve after forging"):
+                serve(False)
         if fast and tracker.live_in_order(s, (e, s)):  # the subscriber's usual path
             apply([Deliver(s, (e, s), False)])
         else:
@@ -468,7 +555,7 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
             segments.append([])
         else:
             segments[-1].append(a)
-    assert len(segments) <= len(epochs), "a restart reported without one"
+    assert len(segments) <= len(epochs), f"a restart reported without one: {kinds(out)}"
     lifetimes = []
     for i, seg in enumerate(segments):
         delivered = [a for a in seg if isinstance(a, Deliver)]
@@ -491,15 +578,12 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
         missing = set(range(top + 1)) - set(seqs) - lost
         assert not missing, f"silent loss of {sorted(missing)} in segment {i}: {kinds(seg)}"
     assert lifetimes == sorted(set(lifetimes)), f"a lifetime split by a false restart: {lifetimes}"
+    kinds_ok = {GAP, DUPLICATE, PUBLISHER_RESTART, UNRECOVERABLE_LOSS, HISTORY_MISSED}
+    if forge:
+        kinds_ok.add(DISOWNED_SEQ)  # (never without a forged frame: no false disowning)
     for a in out:
         assert not isinstance(a, Drop) or a.reason in _ALLOWED_DROPS, a
-        assert not isinstance(a, Report) or a.kind in {
-            GAP,
-            DUPLICATE,
-            PUBLISHER_RESTART,
-            UNRECOVERABLE_LOSS,
-            HISTORY_MISSED,
-        }
+        assert not isinstance(a, Report) or a.kind in kinds_ok, (a, kinds(out))
 
 
 @settings(max_examples=300, deadline=None)

@@ -37,6 +37,11 @@ contradicts what was applied, the stream is checked that way before anything new
 applied.  A restart (``publisher_restart``) resets that worker and resyncs it from the
 new stream's start.
 
+**Frames the publisher never sent.**  A live seq that jumps ahead, fills a hole or
+contradicts an applied seq is held or dropped until the replay service vouches for it; a
+seq the replay disowns is reported ``disowned_seq``, never applied and never a reason to
+reset (docs/subscriber.md: what this covers; CURVE is the real defence).
+
 **Liveness.**  Idle engines publish nothing, so silence alone proves nothing.  After a
 third of ``stale_after_s`` without a batch, a worker's replay endpoint is probed (a
 request from its last seq: the end marker answers); a worker with neither a batch nor an

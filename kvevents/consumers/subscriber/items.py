@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from kvevents.consumers.seqtrack import (
+    DISOWNED_SEQ,
     DUPLICATE,
     GAP,
     HISTORY_MISSED,
@@ -49,6 +50,7 @@ ANOMALY_KINDS: frozenset[str] = frozenset(
         PUBLISHER_RESTART,
         UNRECOVERABLE_LOSS,
         HISTORY_MISSED,
+        DISOWNED_SEQ,
         UNDECODABLE,
         BAD_FRAME_KIND,
         REPLAY_TIMEOUT,
@@ -155,6 +157,11 @@ class Anomaly:
       worker starts incomplete; nothing to reset);
     * ``stale`` / ``live`` - the worker stopped / resumed publishing and answering its
       replay endpoint: exclude it from routing / include it again;
+    * ``disowned_seq`` - a live batch the publisher's replay service disowns (a seq
+      beyond what it held when asked after the batch came, another payload under that
+      seq, or a contradiction of an applied seq of a stream the replay showed
+      unchanged): a frame the publisher never sent (forged on an unauthenticated
+      socket, or corrupted).  Dropped, never applied; nothing to reset;
     * ``replay_timeout``, ``undecodable``, ``bad_frame`` - counted and skipped.
 
     ``first_seq``..``last_seq`` is the inclusive seq range concerned; ``dp_rank`` is None

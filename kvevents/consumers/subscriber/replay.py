@@ -118,7 +118,11 @@ class ReplayScheduler:
             self.outbox.apply(key, tracker.replay_failed(req.replay_id, detail))
             return
         queue = self.queues.setdefault(ck, deque())
-        if req.start == 0 and self._join_catch_up(queue, key, st.topic, req.replay_id):
+        if (
+            req.start == 0
+            and tracker.last is None  # (a catch-up, not a check of an applied seq 0)
+            and self._join_catch_up(queue, key, st.topic, req.replay_id)
+        ):
             return
         deadline = now + self.replay_timeout_s
         queue.append(ReplayJob(key, ck, st.topic, req.start, req.replay_id, deadline, probe=probe))

@@ -69,6 +69,7 @@ class StreamTable:
                 catch_up=self.catch_up,
                 history=self.history,
                 max_pending=self.max_pending,
+                vouch_jumps=channel is not None,
             )
             st = self.streams[key] = Stream(key, tracker, src, topic, channel, now, now)
         return st
