@@ -80,6 +80,7 @@ def on_terminal(*args: str, timeout: float = 120) -> tuple[int, str, str]:
             break
     os.close(master)
     assert proc.stdout is not None
-    out = proc.stdout.read().decode()
+    with proc.stdout:
+        out = proc.stdout.read().decode()
     rc = proc.wait(timeout=timeout)
     return rc, out, shown.decode(errors="replace")

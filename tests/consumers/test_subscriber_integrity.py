@@ -110,6 +110,9 @@ class PublisherProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def close(self) -> None:
         if self.proc.poll() is None:

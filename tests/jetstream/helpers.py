@@ -108,15 +108,17 @@ def stream_seqs(url: str, stream: str = "KV_EVENTS") -> list[tuple[int, int]]:
         import nats
 
         nc = await nats.connect(url)
-        js = nc.jetstream()
-        info = await js.stream_info(stream)
-        out = []
-        for s in range(info.state.first_seq, info.state.last_seq + 1):
-            msg = await js.get_msg(stream, s)
-            h = msg.headers or {}
-            out.append((int(h["Kvevents-Epoch"]), int(h["Kvevents-Seq"])))
-        await nc.close()
-        return out
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(stream)
+            out = []
+            for s in range(info.state.first_seq, info.state.last_seq + 1):
+                msg = await js.get_msg(stream, s)
+                h = msg.headers or {}
+                out.append((int(h["Kvevents-Epoch"]), int(h["Kvevents-Seq"])))
+            return out
+        finally:
+            await nc.close()
 
     return asyncio.run(read())
 

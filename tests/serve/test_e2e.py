@@ -54,7 +54,8 @@ class Proc:
             cwd=ROOT,
         )
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.p.stdout is not None
@@ -80,6 +81,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
+        self._reader.join(timeout=15)  # the pipe ends with the process
+        for pipe in (self.p.stdout, self.p.stderr):
+            if pipe is not None and not self._reader.is_alive():
+                pipe.close()
         return self.p.returncode
 
 
