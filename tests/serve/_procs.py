@@ -49,8 +49,12 @@ class Proc:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.errors: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
 
     def _read(self) -> None:
         assert self.p.stdout is not None
@@ -83,6 +87,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
+        for t, pipe in zip(self._readers, (self.p.stdout, self.p.stderr)):
+            t.join(timeout=15)  # each pipe ends with the process
+            if pipe is not None and not t.is_alive():
+                pipe.close()
         return self.p.returncode
 
 
