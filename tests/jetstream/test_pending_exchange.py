@@ -124,6 +124,9 @@ def fleet(
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        if sim.stdout is not None:
+            sim.stdout.close()
 
 
 def test_a_sibling_routed_by_one_replica_is_pending_on_the_other(

@@ -118,6 +118,8 @@ def test_twenty_stalled_subscribers_pin_no_more_than_the_budget(ctx: zmq.Context
         if child.poll() is None:
             child.kill()
             child.wait()
+        child.stdin.close()
+        child.stdout.close()
         for sub in stalled:
             sub.close()
     table = {n: round(g / MiB, 1) for n, g in growth.items()}
