@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import parse_args, report, result
 from kvevents.consumers import BlockIndex, ReceivedBatch, Subscriber
-from kvevents.consumers.sources import ZmqSource
+from kvevents.consumers.zmq_source import ZmqSource
 from kvevents.engines import EngineSpec
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.publishers import ZmqEventPublisher

@@ -45,8 +45,8 @@ import pytest
 PACKAGE = "kvevents"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-CORE_PACKAGES = frozenset({"codec"})
-"""Top-level packages that belong to the core (the codec, should it become a package)."""
+CORE_PACKAGES = frozenset({"codec", "seqtrack"})
+"""Top-level packages that belong to the core (the codec; sequence tracking)."""
 APP_TOP = frozenset({"cli", "__main__", "demo"})
 """Top-level modules or packages of the applications: the command line, and the demo
 (which drives ``kvevents serve`` in front of the simulator, so it sits above both).

@@ -34,17 +34,16 @@ import zmq
 from kvevents.capture import FLAG_MALFORMED, FLAG_UNDECODABLE, CaptureWriter, pack_parts
 from kvevents.capture_account import COPY, SeqLedger
 from kvevents.codec import BatchDecoder
-from kvevents.consumers.sources import (
+from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
     DISCONNECTED,
     REPLAY,
     REPLAY_END,
     SourceMessage,
-    ZmqSource,
 )
 from kvevents.consumers.subscriber import worker_source
-from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES, LiveLink
+from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES, LiveLink, ZmqSource
 from kvevents.errors import CaptureError, ConfigError, DecodeError
 
 __all__ = ["FrameRecorder", "RecordingSource"]
@@ -91,7 +90,7 @@ class FrameRecorder:
 
     def replayed(self, name: str, msg: SourceMessage) -> None:
         """A message a replay (DEALER) socket of source ``name`` returned: a
-        :data:`~kvevents.consumers.sources.REPLAY` batch, a malformed reply or the replay's
+        :data:`~kvevents.consumers.source_protocol.REPLAY` batch, a malformed reply or the replay's
         end marker."""
         if msg.kind == REPLAY:
             topic = msg.topic

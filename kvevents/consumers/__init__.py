@@ -4,6 +4,7 @@ Never imports torch or :mod:`kvevents.publishers`.
 """
 
 from kvevents.consumers.aio import AsyncSubscriber
+from kvevents.consumers.capture_source import CaptureSource
 from kvevents.consumers.index import (
     TIERS,
     BlockIndex,
@@ -22,8 +23,7 @@ from kvevents.consumers.router import (
     Router,
     TierWeights,
 )
-from kvevents.consumers.seqtrack import StreamTracker
-from kvevents.consumers.sources import CaptureSource, Source, SourceMessage, ZmqSource
+from kvevents.consumers.source_protocol import Source, SourceMessage
 from kvevents.consumers.subscriber import (
     ANOMALY_KINDS,
     Anomaly,
@@ -32,6 +32,8 @@ from kvevents.consumers.subscriber import (
     SubscriberItem,
     SubscriberStats,
 )
+from kvevents.consumers.zmq_source import ZmqSource
+from kvevents.seqtrack import StreamTracker
 
 __all__ = [
     "ANOMALY_KINDS",

@@ -1,7 +1,8 @@
 """A vLLM-compatible ZeroMQ publisher as a subscriber input.
 
 One job: :class:`ZmqSource` (a SUB on the live endpoint, a DEALER per replay endpoint,
-socket monitors for connection events) and the parsing of its frames.  Its live side -
+socket monitors for connection events); its frames are read by the rules of the codec's
+frame helpers (:mod:`kvevents.codec.frames`).  Its live side -
 the SUB, its monitor and the redial after a drop - is a :class:`LiveLink`, which other
 sources that read a publisher's live stream themselves (the recorder's) share.  May import
 :mod:`kvevents.codec`, :mod:`kvevents.endpoints`, :mod:`kvevents.security`,
@@ -18,7 +19,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvevents.codec import END_SEQ, pack_replay_request
+from kvevents.codec import pack_replay_request, parse_live, parse_replay_reply
 from kvevents.consumers.source_protocol import (
     BAD_FRAME,
     CONNECTED,
@@ -30,7 +31,7 @@ from kvevents.consumers.source_protocol import (
     SourceMessage,
 )
 from kvevents.endpoints import enable_ipv6_if_needed, is_wildcard_endpoint
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, FrameError
 from kvevents.security import CurveClientConfig, apply_curve_client
 
 __all__ = [
@@ -389,6 +390,8 @@ class ZmqSource:
                 frame = recv(noblock, copy=False)
                 frames.append(frame.bytes)
             if len(frames) == 3 and len(frames[1]) == 8:
+                # (the codec's parse_live rule, inlined on the hot path: 3 frames, an
+                # 8-byte big-endian seq; anything else is described by parse_live below)
                 topic, seq, payload = frames
                 append(SourceMessage(LIVE, topic, from_bytes(seq, "big"), payload, now))
                 budget -= len(payload)
@@ -397,7 +400,7 @@ class ZmqSource:
             else:
                 append(
                     SourceMessage(
-                        BAD_FRAME, recv_ts=now, detail=_describe_live(frames), parts=tuple(frames)
+                        BAD_FRAME, recv_ts=now, detail=_live_error(frames), parts=tuple(frames)
                     )
                 )
             # A live engine's batches mostly arrive one per read: after the first, ask
@@ -522,35 +525,26 @@ def drain_monitor_events(mon: zmq.Socket[bytes]) -> list[int]:
         out.append(int(msg["event"]))
 
 
-def _describe_live(frames: Sequence[bytes]) -> str:
-    if len(frames) != 3:
-        return f"live message has {len(frames)} frame(s), expected 3 [topic, seq, payload]"
-    return f"live seq frame has {len(frames[1])} bytes, expected 8"
+def _live_error(frames: Sequence[bytes]) -> str:
+    """What is wrong with a live message that is not ``[topic, seq(8 bytes), payload]``
+    (the codec's :func:`~kvevents.codec.parse_live` says)."""
+    try:
+        parse_live(frames)
+    except FrameError as exc:
+        return str(exc)
+    return "malformed live message"  # pragma: no cover - only called on a bad shape
 
 
 def _parse_replay(frames: Sequence[bytes], now: float) -> SourceMessage:
-    """Read a DEALER reply: ``[b"", topic, seq, payload]`` (0.26+) or ``[b"", seq, payload]``
-    (before 0.26); the end marker has ``END_SEQ`` as seq (or an empty payload)."""
-    n = len(frames)
-    if n == 4 and not frames[0]:
-        topic, seq_frame, payload = frames[1], frames[2], frames[3]
-    elif n == 3 and not frames[0]:
-        topic, seq_frame, payload = b"", frames[1], frames[2]
-    else:
+    """A DEALER reply as a message (:func:`~kvevents.codec.parse_replay_reply`):
+    ``[b"", topic, seq, payload]`` (0.26+) or ``[b"", seq, payload]`` (before 0.26); the
+    end marker becomes :data:`REPLAY_END`, anything else a :data:`BAD_FRAME`."""
+    try:
+        reply = parse_replay_reply(frames)
+    except FrameError as exc:
         return SourceMessage(
-            BAD_FRAME,
-            recv_ts=now,
-            detail=f"replay reply has {n} frame(s), expected [b'', (topic,) seq, payload]",
-            parts=tuple(frames),
+            BAD_FRAME, recv_ts=now, detail=f"replay reply: {exc}", parts=tuple(frames)
         )
-    if seq_frame == END_SEQ or not payload:
-        return SourceMessage(REPLAY_END, topic, -1, b"", now)
-    if len(seq_frame) != 8:
-        return SourceMessage(
-            BAD_FRAME,
-            topic,
-            recv_ts=now,
-            detail=f"replay seq frame has {len(seq_frame)} bytes",
-            parts=tuple(frames),
-        )
-    return SourceMessage(REPLAY, topic, int.from_bytes(seq_frame, "big"), payload, now)
+    if reply.seq is None:
+        return SourceMessage(REPLAY_END, reply.topic, -1, b"", now)
+    return SourceMessage(REPLAY, reply.topic, reply.seq, reply.payload, now)

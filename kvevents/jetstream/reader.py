@@ -32,12 +32,12 @@ from types import TracebackType
 from typing import Any
 
 from kvevents.codec import BatchDecoder
-from kvevents.consumers.seqtrack import PUBLISHER_RESTART, UNRECOVERABLE_LOSS
 from kvevents.consumers.subscriber import UNDECODABLE, Anomaly, ReceivedBatch
 from kvevents.errors import ConfigError, DecodeError, KVEventsError
 from kvevents.jetstream.connection import NatsLink, connect_jetstream
 from kvevents.jetstream.loop import LoopThread
 from kvevents.jetstream.naming import DEFAULT_STREAM, SUBJECT_PREFIX, BatchHeaders
+from kvevents.seqtrack import PUBLISHER_RESTART, UNRECOVERABLE_LOSS
 
 __all__ = [
     "HISTORY_MISSED",

@@ -30,9 +30,8 @@ from typing import Any
 import zmq
 
 from kvevents.codec import pack_replay_request, parse_replay_reply
-from kvevents.consumers.seqtrack import PUBLISHER_RESTART
-from kvevents.consumers.sources import ZmqSource
 from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
+from kvevents.consumers.zmq_source import ZmqSource
 from kvevents.engines import EngineSpec
 from kvevents.errors import ConfigError, FrameError
 from kvevents.jetstream.connection import NatsLink, connect_jetstream
@@ -43,6 +42,7 @@ from kvevents.jetstream.naming import (
     BatchHeaders,
     subject_for,
 )
+from kvevents.seqtrack import PUBLISHER_RESTART
 
 __all__ = ["JetStreamRelay", "RelayStats", "ensure_stream"]
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvevents.consumers.seqtrack import (
+from kvevents.seqtrack import (
     DISOWNED_SEQ,
     DUPLICATE,
     GAP,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvevents.consumers import Anomaly, BlockIndex, Subscriber
-from kvevents.consumers.sources import ZmqSource
+from kvevents.consumers.zmq_source import ZmqSource
 from kvevents.engines import EngineSpec
 from kvevents.jetstream import JetStreamRelay, JetStreamSubscriber, LocalNatsServer
 from kvevents.sim import SimEngineConfig, WorkloadConfig, generate_workload

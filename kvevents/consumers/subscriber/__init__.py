@@ -1,8 +1,8 @@
 """The subscriber SDK: follow many publishers without losing track of any.
 
 :class:`Subscriber` reads one or more sources (ZMQ endpoints of vLLM-compatible
-publishers, capture files, or any :class:`~kvevents.consumers.sources.Source`), decodes
-each batch, tracks seq per stream (:mod:`kvevents.consumers.seqtrack`) and yields, in
+publishers, capture files, or any :class:`~kvevents.consumers.source_protocol.Source`), decodes
+each batch, tracks seq per stream (:mod:`kvevents.seqtrack`) and yields, in
 order:
 
 * :class:`ReceivedBatch` - a decoded batch to apply, with its raw topic and payload bytes

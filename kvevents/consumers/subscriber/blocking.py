@@ -21,11 +21,11 @@ __all__ = ["Subscriber"]
 class Subscriber(SubscriberCore):
     """Follow the batches of many publishers, repairing gaps by replay.
 
-    ``endpoints``: one endpoint string or :class:`~kvevents.consumers.sources.Source`, or
-    a sequence of them.  A string becomes a :class:`~kvevents.consumers.sources.ZmqSource`
+    ``endpoints``: one endpoint string or :class:`~kvevents.consumers.source_protocol.Source`, or
+    a sequence of them.  A string becomes a :class:`~kvevents.consumers.zmq_source.ZmqSource`
     subscribed to ``topic`` (a prefix: ``b"kv@"`` follows every ``kv@...`` engine behind
     a proxy); a path ending in ``.kvcap`` (or prefixed ``capture:``) becomes a
-    :class:`~kvevents.consumers.sources.CaptureSource`.  ``replay_endpoints`` gives the
+    :class:`~kvevents.consumers.capture_source.CaptureSource`.  ``replay_endpoints`` gives the
     replay (ROUTER) endpoints: a sequence aligned with ``endpoints`` (None entries
     allowed), or a mapping whose keys are an endpoint (its replay endpoint for every
     topic) or ``"<endpoint>#<topic>"`` (the replay endpoint of that topic's engine behind
@@ -41,7 +41,7 @@ class Subscriber(SubscriberCore):
     :data:`~kvevents.consumers.subscriber.DEFAULT_STALE_AFTER_S`; None: never) is the
     liveness bound; ``decoder`` is a :class:`~kvevents.codec.BatchDecoder` to use (its
     stats count skipped events); ``history`` and ``max_pending`` (counts of batches) are
-    passed to each :class:`~kvevents.consumers.seqtrack.StreamTracker`; ``rcvhwm`` is the
+    passed to each :class:`~kvevents.seqtrack.StreamTracker`; ``rcvhwm`` is the
     SUB high-water mark (messages); ``max_message_size_bytes`` (default 64 MiB; None:
     unlimited) the ``ZMQ_MAXMSGSIZE`` of every socket; ``curve`` a
     :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;

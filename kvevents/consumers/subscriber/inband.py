@@ -9,10 +9,10 @@ tables and outbox.
 
 from __future__ import annotations
 
-from kvevents.consumers.seqtrack import StartReplay, StreamTracker
 from kvevents.consumers.source_protocol import Source, SourceMessage
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import HeldBatch, ReplayJob, Stream, StreamKey
+from kvevents.seqtrack import StartReplay, StreamTracker
 
 __all__ = ["InbandReplays"]
 

@@ -2,7 +2,7 @@
 and its counters (:class:`SubscriberStats`).
 
 One job: the values an application sees.  May import :mod:`kvevents.events` and the kind
-names of :mod:`kvevents.consumers.seqtrack`; nothing else of the subscriber.
+names of :mod:`kvevents.seqtrack`; nothing else of the subscriber.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-from kvevents.consumers.seqtrack import (
+from kvevents.events import KVEventBatch
+from kvevents.seqtrack import (
     DISOWNED_SEQ,
     DUPLICATE,
     GAP,
@@ -20,7 +21,6 @@ from kvevents.consumers.seqtrack import (
     PUBLISHER_RESTART,
     UNRECOVERABLE_LOSS,
 )
-from kvevents.events import KVEventBatch
 
 __all__ = [
     "ANOMALY_KINDS",

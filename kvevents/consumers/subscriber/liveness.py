@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvevents.consumers.seqtrack import StartReplay
 from kvevents.consumers.subscriber.items import LIVE_AGAIN, STALE, Anomaly
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import Stream, StreamKey
+from kvevents.seqtrack import StartReplay
 
 __all__ = ["Liveness", "ProbeHook"]
 

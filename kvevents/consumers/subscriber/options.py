@@ -1,8 +1,8 @@
 """A subscriber's settings and inputs: :class:`SubscriberOptions` (validated, with units
 in every duration and size name) and :func:`open_sources` (endpoint strings to
-:class:`~kvevents.consumers.sources.Source` objects).
+:class:`~kvevents.consumers.source_protocol.Source` objects).
 
-One job: turn what a user passes into checked settings and open sources.  May import :mod:`kvevents.consumers.sources`,
+One job: turn what a user passes into checked settings and open sources.  May import :mod:`kvevents.consumers.zmq_source`, :mod:`kvevents.consumers.capture_source`,
 :mod:`kvevents.security` and :mod:`kvevents.errors`.
 """
 

@@ -1,11 +1,11 @@
 """Where a subscriber's items wait to be taken: the :class:`Outbox` turns a
-:class:`~kvevents.consumers.seqtrack.StreamTracker`'s actions into
+:class:`~kvevents.seqtrack.StreamTracker`'s actions into
 :class:`~kvevents.consumers.subscriber.ReceivedBatch` and
 :class:`~kvevents.consumers.subscriber.Anomaly` values, in order, and counts them.
 
 One job: actions in, items and counters out.  A :class:`StartReplay` action is handed to
 the replay room through the ``schedule`` hook.  May import the subscriber's items and
-tables, :mod:`kvevents.consumers.seqtrack`, :mod:`kvevents.events` and
+tables, :mod:`kvevents.seqtrack`, :mod:`kvevents.events` and
 :mod:`kvevents.ratelimit`.
 """
 
@@ -14,7 +14,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from kvevents.consumers.seqtrack import (
+from kvevents.consumers.subscriber.items import (
+    Anomaly,
+    SubscriberItem,
+    SubscriberStats,
+    received_batch,
+)
+from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
+from kvevents.events import KVEventBatch
+from kvevents.ratelimit import RateLimitedLog
+from kvevents.seqtrack import (
     DUPLICATE,
     GAP,
     HISTORY_MISSED,
@@ -25,15 +34,6 @@ from kvevents.consumers.seqtrack import (
     StartReplay,
     TrackerAction,
 )
-from kvevents.consumers.subscriber.items import (
-    Anomaly,
-    SubscriberItem,
-    SubscriberStats,
-    received_batch,
-)
-from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey
-from kvevents.events import KVEventBatch
-from kvevents.ratelimit import RateLimitedLog
 
 __all__ = ["Outbox", "ScheduleHook"]
 

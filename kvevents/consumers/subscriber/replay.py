@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from kvevents.consumers.seqtrack import StartReplay
 from kvevents.consumers.source_protocol import Source
 from kvevents.consumers.subscriber.inband import InbandReplays
 from kvevents.consumers.subscriber.items import REPLAY_TIMEOUT, Anomaly
@@ -31,6 +30,7 @@ from kvevents.consumers.subscriber.streams import (
 )
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.errors import KVEventsError
+from kvevents.seqtrack import StartReplay
 
 __all__ = ["RESENDS", "ReplayScheduler"]
 

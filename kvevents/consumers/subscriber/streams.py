@@ -2,7 +2,7 @@
 :class:`ReplayJob` per replay request, and how a :class:`Source` is asked for a replay.
 
 One job: the shared state the other rooms of the subscriber read and update (no logic
-beyond the source adapters).  May import :mod:`kvevents.consumers.seqtrack`, the source
+beyond the source adapters).  May import :mod:`kvevents.seqtrack`, the source
 protocol, :mod:`kvevents.events` and ``xxhash``.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
-from kvevents.consumers.seqtrack import StreamTracker
 from kvevents.consumers.source_protocol import Source
 from kvevents.events import KVEventBatch
+from kvevents.seqtrack import StreamTracker
 
 __all__ = [
     "ChannelKey",

@@ -2,19 +2,19 @@
 decoded, and how a new stream's tracker is set up.
 
 One job: :class:`StreamTable`.  May import the subscriber's items, tables and outbox,
-:mod:`kvevents.codec` and :mod:`kvevents.consumers.seqtrack`.
+:mod:`kvevents.codec` and :mod:`kvevents.seqtrack`.
 """
 
 from __future__ import annotations
 
 from kvevents.codec import BatchDecoder
-from kvevents.consumers.seqtrack import StreamTracker
 from kvevents.consumers.source_protocol import REPLAY, Source, SourceMessage
 from kvevents.consumers.subscriber.items import UNDECODABLE, Anomaly, worker_source
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import HeldBatch, Stream, StreamKey, replay_channel
 from kvevents.errors import DecodeError
 from kvevents.events import KVEventBatch
+from kvevents.seqtrack import StreamTracker
 
 __all__ = ["MAX_NAMES", "StreamTable"]
 

@@ -1,16 +1,16 @@
 """Pure sequence tracking for one publisher stream (one ``(endpoint, topic, dp_rank)``).
 
-A core module (used by the subscriber and by ``kvevents inspect``); imports only
-:mod:`kvevents.errors`, :mod:`kvevents.tracker_actions` and :mod:`kvevents.seqhistory`.
+One job: :class:`StreamTracker`.  Imports only :mod:`kvevents.errors` and the
+package's :mod:`~kvevents.seqtrack.actions` and :mod:`~kvevents.seqtrack.history`.
 
 A :class:`StreamTracker` is fed what arrived (live batches, replayed batches, the end of
 a replay, a failed replay) and answers with *actions* for its caller, in the order the
-caller must apply them (:mod:`kvevents.tracker_actions`: ``Deliver``,
-``Report``, ``Drop``, ``StartReplay``; re-exported here).  It does no I/O and reads no
+caller must apply them (:mod:`kvevents.seqtrack.actions`: ``Deliver``,
+``Report``, ``Drop``, ``StartReplay``).  It does no I/O and reads no
 clock, so it can be tested exhaustively (see the property tests); timeouts, concurrency,
 socket events and liveness belong to the caller, which reports a replay that cannot be
 done or did not finish with :meth:`StreamTracker.replay_failed`.  What it remembers of
-the past is a :class:`~kvevents.seqhistory.SeqHistory`.
+the past is a :class:`~kvevents.seqtrack.history.SeqHistory`.
 
 The rules:
 
@@ -77,8 +77,7 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from kvevents.errors import ConfigError
-from kvevents.seqhistory import SeqHistory
-from kvevents.tracker_actions import (
+from kvevents.seqtrack.actions import (
     DISOWNED_SEQ,
     DUPLICATE,
     GAP,
@@ -91,21 +90,9 @@ from kvevents.tracker_actions import (
     StartReplay,
     TrackerAction,
 )
+from kvevents.seqtrack.history import SeqHistory
 
-__all__ = [
-    "DISOWNED_SEQ",
-    "DUPLICATE",
-    "GAP",
-    "HISTORY_MISSED",
-    "PUBLISHER_RESTART",
-    "UNRECOVERABLE_LOSS",
-    "Deliver",
-    "Drop",
-    "Report",
-    "StartReplay",
-    "StreamTracker",
-    "TrackerAction",
-]
+__all__ = ["StreamTracker"]
 
 T = TypeVar("T")
 
