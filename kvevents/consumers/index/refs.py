@@ -10,8 +10,7 @@ for every block it caches and ``BlockPool._maybe_evict_cached_block`` a
 
 * :meth:`RefRules.ref`: the first reference on a tier marks the content key in that
   tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
-  (:meth:`RefRules.became_resident`: counted, no longer retained metadata, told to the
-  memory cap).
+  (counted, no longer retained metadata, told to the memory cap).
 * :meth:`RefRules.remove`: the last reference on a tier unmarks the key; the last on any
   tier ends the residency (:meth:`RefRules.stopped_being_resident`: the record is kept
   as retained metadata, :mod:`.join`, for a late CPU store or later children); a
@@ -41,7 +40,9 @@ from kvevents.consumers.index.records import (
 )
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import (
+    CPU,
     GPU,
+    STORAGE,
     TIERS,
     GroupState,
     WorkerId,
@@ -128,18 +129,24 @@ class RefRules:
     ) -> bool:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
-        The first reference on a tier marks ``ck`` in that tier's marks; the first on any
-        tier makes the entry resident (:meth:`became_resident`).  For the GPU tier the
-        record of ``h`` holds the refcount; if the memory cap has just dropped that
+        The first reference on a tier marks ``ck`` in that tier's marks.  For the GPU tier
+        the record of ``h`` holds the refcount; if the memory cap has just dropped that
         record, there is nothing to count.  ``tier < 0`` (metadata only) counts nothing.
+
+        The first reference on any tier (no other tier holds ``h``) makes the entry
+        resident: one more resident entry, no longer a retained record, and (while the
+        memory cap keeps its bookkeeping) a child of its parent with a place in the
+        eviction queue (a GPU store queues its blocks itself, at its end).
         ``free_link``: a GPU store's new block whose link to its parent is free (its
         record carries the flag, see :mod:`.eviction`): not counted as a child.
 
-        Returns :meth:`became_resident`'s answer, or False when the entry was resident
-        already.
+        Returns whether ``h`` became resident and, while the bookkeeping runs, has no
+        earlier place in the eviction queue (not :attr:`Eviction.forgotten`): the next
+        block of its GPU store may then link to it freely.
         """
         if tier < 0:
             return False
+        refs = gs.refs
         if tier == GPU:
             m = gs.meta.get(h)
             if m is None:
@@ -149,29 +156,21 @@ class RefRules:
             gs.meta[h] = add_gpu(m, 1)
             if gpu_refs(m):
                 return False  # not the first GPU reference
+            if ck is not None:
+                mark(self.marks[GPU], ck, gs.bit)
+            if h in refs[CPU] or h in refs[STORAGE]:
+                return False  # resident already
         else:
-            refs = gs.refs[tier]
-            count = refs.get(h, 0)
-            refs[h] = count + 1
+            counts = refs[tier]
+            count = counts.get(h, 0)
+            counts[h] = count + 1
             if count:
                 return False  # not the first reference on this tier
-        if ck is not None:
-            mark(self.marks[tier], ck, gs.bit)
-        if gs.held_elsewhere(h, tier):
-            return False
-        return self.became_resident(w, gs, tier, h, free_link)
-
-    def became_resident(
-        self, w: WorkerState, gs: GroupState, tier: int, h: Hash, free_link: bool = False
-    ) -> bool:
-        """``h`` became resident (its first reference on any tier): one more resident
-        entry, no longer a retained record, and (while the memory cap keeps its
-        bookkeeping) a child of its parent (unless its link is free) with a place in
-        the eviction queue (a GPU store queues its blocks itself, at its end).
-
-        Returns whether, while the bookkeeping runs, ``h`` has no earlier place in the
-        eviction queue (not :attr:`Eviction.forgotten`): the next block of its GPU store
-        may then link to it freely."""
+            if ck is not None:
+                mark(self.marks[tier], ck, gs.bit)
+            m = gs.meta.get(h)
+            if (m is not None and gpu_refs(m)) or h in refs[3 - tier]:
+                return False  # resident already
         cap = self.cap
         cap.resident += 1
         if self.retention.records:
@@ -194,39 +193,49 @@ class RefRules:
         """One residency of each of ``hashes`` on ``tier`` fewer.
 
         A hash the tier does not hold goes to :meth:`remove_unknown`.  The last reference
-        on a tier unmarks the content key in that tier's marks; the last on any tier
-        ends the entry's residency (:meth:`stopped_being_resident`).
+        on a tier unmarks the content key in that tier's marks; the last on any tier (no
+        other tier holds the hash) ends the entry's residency
+        (:meth:`stopped_being_resident`).
         """
         gs = w.groups.get(group)
-        for h in hashes:
-            if gs is None:
+        if gs is None:
+            for h in hashes:
                 self.remove_unknown(w, None, group, h, tier)
-                continue
-            m = gs.meta.get(h)
+            return
+        meta, refs, marks, bit = gs.meta, gs.refs, self.marks[tier], gs.bit
+        counts = refs[tier]  # (CPU/STORAGE: the refcounts)
+        removed = 0
+        for h in hashes:
+            m = meta.get(h)
             if tier == GPU:
                 count = 0 if m is None else gpu_refs(m)
                 if not count or m is None:
                     self.remove_unknown(w, gs, group, h, tier)
                     continue
-                gs.meta[h] = add_gpu(m, -1)
+                meta[h] = add_gpu(m, -1)
             else:
-                refs = gs.refs[tier]
-                count = refs.get(h, 0)
+                count = counts.get(h, 0)
                 if not count:
                     self.remove_unknown(w, gs, group, h, tier)
                     continue
                 if count > 1:
-                    refs[h] = count - 1
+                    counts[h] = count - 1
                 else:
-                    del refs[h]
-            self.stats.removed[TIERS[tier]] += 1
+                    del counts[h]
+            removed += 1
             if count > 1:
                 continue  # not the last reference on this tier
             ck = content_key(m) if m is not None else None
             if ck is not None:
-                unmark(self.marks[tier], ck, gs.bit)
-            if not gs.held_elsewhere(h, tier):
-                self.stopped_being_resident(w, gs, h, m)
+                unmark(marks, ck, bit)
+            if tier == GPU:
+                if h in refs[CPU] or h in refs[STORAGE]:
+                    continue  # still resident
+            elif (m is not None and gpu_refs(m)) or h in refs[3 - tier]:
+                continue  # still resident
+            self.stopped_being_resident(w, gs, h, m)
+        if removed:
+            self.stats.removed[TIERS[tier]] += removed
 
     def stopped_being_resident(
         self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None

@@ -21,7 +21,7 @@ configured, its blocks per chunk and lookahead.  Imports
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from kvevents.consumers.content import (
     ROOT_KEY,
@@ -57,7 +57,8 @@ __all__ = ["Stores"]
 
 
 class _StoreRun:
-    """One described store's blocks, applied in order (:meth:`Stores.store_described`).
+    """One described store's blocks, applied in order (:meth:`store_all`, for
+    :meth:`Stores.store_described`).
 
     Holds what the blocks chain on: ``key`` and ``end``, the content key and the token
     end position of the block before (None when unknown), and ``parent``, its hash.
@@ -114,23 +115,30 @@ class _StoreRun:
         self.free_links = _free_links_allowed(self)
         self.link_free = False  # the next new block's link to its parent is free
 
-    def store_block(self, i: int, h: Hash) -> None:
-        """Block ``i`` of the store, hash ``h``: its record, then one more reference."""
-        feed, gs = self.feed, self.gs
-        m = gs.meta.get(h)
-        if self.free_links and (m is not None or not plain_hash(h)):
-            self.free_links = self.link_free = False
-        ck = content_key(m) if m is not None else None
-        if m is None or (ck is None and self.key is not None and self.keyed):
-            ck = self.new_record(i, h, m)
-        else:
-            if self.tier == GPU:  # an LRU touch: to the end of the group's record order
-                del gs.meta[h]
-                gs.meta[h] = m
-            self.key, self.end = chain_key(m), end_tokens(m)
-        self.parent = h
-        fresh = feed.ref(self.w, gs, self.tier, h, ck, free_link=self.link_free)
-        self.link_free = self.free_links and fresh
+    def store_all(self) -> None:
+        """Each block of the store in order: its record (new, an orphan's healed, or an
+        LRU touch on the GPU tier: to the end of the group's record order), then one
+        more reference on the store's tier (:meth:`RefRules.ref`)."""
+        feed, w, gs, tier, keyed = self.feed, self.w, self.gs, self.tier, self.keyed
+        meta, ref, new_record = gs.meta, feed.ref, self.new_record
+        for i, h in enumerate(self.ev.block_hashes):
+            m = meta.get(h)
+            if self.free_links and (m is not None or not plain_hash(h)):
+                self.free_links = self.link_free = False
+            if m is None:
+                ck = new_record(i, h, None)
+            else:
+                ck = content_key(m)
+                if ck is None and keyed and self.key is not None:
+                    ck = new_record(i, h, m)  # an orphan healed
+                else:
+                    if tier == GPU:  # an LRU touch
+                        del meta[h]
+                        meta[h] = m
+                    self.key, self.end = chain_key(m), end_tokens(m)
+            self.parent = h
+            fresh = ref(w, gs, tier, h, ck, self.link_free)
+            self.link_free = self.free_links and fresh
 
     def new_record(self, i: int, h: Hash, old: Record | None) -> int | None:
         """Record block ``i`` (hash ``h``) with its content key (returned: the key its
@@ -230,9 +238,7 @@ class Stores(RefRules):
             keyed = False
         key, end = self.chain_start(gs, ev, off, keyed)
         self.cap.storing = tier == GPU  # (until cap.queue_store: see Eviction.evict)
-        run = _StoreRun(self, w, gs, ev, tier, off, keyed, key, end)
-        for i, h in enumerate(ev.block_hashes):
-            run.store_block(i, h)
+        _StoreRun(self, w, gs, ev, tier, off, keyed, key, end).store_all()
         if tier == GPU:
             self.cap.queue_store(gs, ev.block_hashes)
             if not keyed and not gs.indexable_kind:
@@ -346,7 +352,7 @@ class Stores(RefRules):
         self.ref(w, gs, tier, tail, content_key(m))
 
     def store_placeholder(
-        self, w: WorkerState, ev: BlockStored, tier: int, tails: Iterable[Hash] | None = None
+        self, w: WorkerState, ev: BlockStored, tier: int, tails: Sequence[Hash] | None = None
     ) -> None:
         """A CPU/STORAGE placeholder (or, with ``tails``, those hashes of a store): each
         tail joins its GPU record and is counted on ``tier``, or waits in the pending
@@ -358,16 +364,19 @@ class Stores(RefRules):
         kind = ev.kv_cache_spec_kind
         if kind is not None and kind != gs.kind and gs.kind is None:
             self.set_kind(w, gs, kind)
-        meta = gs.meta
-        for h in ev.block_hashes if tails is None else tails:
-            stats.stored[TIERS[tier]] += 1
+        meta, ref = gs.meta, self.ref
+        observe = None if w.bpc_fixed else self.observe_tail
+        hashes = ev.block_hashes if tails is None else tails
+        stats.stored[TIERS[tier]] += len(hashes)
+        for h in hashes:
             m = meta.get(h)
             if m is None:
                 self.pending.add(w.wid, gs.group, h, tier)
                 continue
             stats.joined += 1
-            self.observe_tail(w, gs, m)
-            self.ref(w, gs, tier, h, content_key(m))
+            if observe is not None:
+                observe(w, gs, m)
+            ref(w, gs, tier, h, content_key(m))
 
     def join_pending(
         self, w: WorkerState, gs: GroupState, h: Hash, m: Record, p: list[int]

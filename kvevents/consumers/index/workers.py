@@ -121,14 +121,6 @@ class GroupState:
         r = self.refs
         return (m is not None and gpu_refs(m) > 0) or h in r[CPU] or h in r[STORAGE]
 
-    def held_elsewhere(self, h: Hash, tier: int) -> bool:
-        """Whether a tier other than ``tier`` holds ``h`` in this group."""
-        r = self.refs
-        if tier == GPU:
-            return h in r[CPU] or h in r[STORAGE]
-        m = self.meta.get(h)
-        return (m is not None and gpu_refs(m) > 0) or h in r[3 - tier]
-
 
 class WorkerState:
     """One worker: its groups and its learned or configured settings."""
