@@ -12,8 +12,8 @@ for every block it caches and ``BlockPool._maybe_evict_cached_block`` a
   tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
   (counted, no longer retained metadata, told to the memory cap).
 * :meth:`RefRules.remove`: the last reference on a tier unmarks the key; the last on any
-  tier ends the residency (:meth:`RefRules.stopped_being_resident`: the record is kept
-  as retained metadata, :mod:`.join`, for a late CPU store or later children); a
+  tier ends the residency (the record is kept as retained metadata, :mod:`.join`, for
+  a late CPU store or later children); a
   removal of a hash the tier does not hold is :meth:`RefRules.remove_unknown`'s.
 * :meth:`RefRules.clear_tiers`: ``AllBlocksCleared`` and resets, every tier at once.
 
@@ -193,9 +193,11 @@ class RefRules:
         """One residency of each of ``hashes`` on ``tier`` fewer.
 
         A hash the tier does not hold goes to :meth:`remove_unknown`.  The last reference
-        on a tier unmarks the content key in that tier's marks; the last on any tier (no
-        other tier holds the hash) ends the entry's residency
-        (:meth:`stopped_being_resident`).
+        on a tier unmarks the content key in that tier's marks.  The last on any tier (no
+        other tier holds the hash) ends the entry's residency: one resident entry fewer,
+        one resident child fewer for its parent, and its record retained (bounded, see
+        :class:`~.join.Retention`) for a late CPU store or later children.  Held without
+        a record, it may keep places in the eviction queue (:meth:`Eviction.forget`).
         """
         gs = w.groups.get(group)
         if gs is None:
@@ -204,25 +206,21 @@ class RefRules:
             return
         meta, refs, marks, bit = gs.meta, gs.refs, self.marks[tier], gs.bit
         counts = refs[tier]  # (CPU/STORAGE: the refcounts)
+        cap, retire = self.cap, self.retention.retire
         removed = 0
         for h in hashes:
             m = meta.get(h)
-            if tier == GPU:
-                count = 0 if m is None else gpu_refs(m)
-                if not count or m is None:
-                    self.remove_unknown(w, gs, group, h, tier)
-                    continue
-                meta[h] = add_gpu(m, -1)
-            else:
-                count = counts.get(h, 0)
-                if not count:
-                    self.remove_unknown(w, gs, group, h, tier)
-                    continue
-                if count > 1:
-                    counts[h] = count - 1
-                else:
-                    del counts[h]
+            count = (0 if m is None else gpu_refs(m)) if tier == GPU else counts.get(h, 0)
+            if not count:
+                self.remove_unknown(w, gs, group, h, tier)
+                continue
             removed += 1
+            if tier == GPU:
+                meta[h] = add_gpu(m, -1)  # type: ignore[arg-type]  # (count > 0: m is a record)
+            elif count > 1:
+                counts[h] = count - 1
+            else:
+                del counts[h]
             if count > 1:
                 continue  # not the last reference on this tier
             ck = content_key(m) if m is not None else None
@@ -233,29 +231,18 @@ class RefRules:
                     continue  # still resident
             elif (m is not None and gpu_refs(m)) or h in refs[3 - tier]:
                 continue  # still resident
-            self.stopped_being_resident(w, gs, h, m)
+            cap.resident -= 1
+            if gs.deferred:
+                gs.deferred.pop(h, None)
+            if m is None:
+                cap.forget((h,))
+            else:
+                parent = counted_parent(m) if gs.kids else None  # (kids: the cap's bookkeeping)
+                if parent is not None:
+                    cap.unkid(gs, parent)
+                retire(w.wid, gs, h)
         if removed:
             self.stats.removed[TIERS[tier]] += removed
-
-    def stopped_being_resident(
-        self, w: WorkerState, gs: GroupState, h: Hash, m: Record | None
-    ) -> None:
-        """``h`` (record ``m``) lost its last reference on any tier: one resident entry
-        fewer, one resident child fewer for its parent, and its record retained (bounded)
-        for a late CPU store or later children.  Held without a record, it may keep
-        places in the eviction queue (:meth:`Eviction.forget`)."""
-        cap = self.cap
-        cap.resident -= 1
-        if gs.deferred:
-            gs.deferred.pop(h, None)
-        if m is None:
-            cap.forget((h,))
-            return
-        if gs.kids:  # (the memory cap's bookkeeping runs)
-            parent = counted_parent(m)
-            if parent is not None:
-                cap.unkid(gs, parent)
-        self.retention.retire(w.wid, gs, h)
 
     def remove_unknown(
         self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int
