@@ -421,13 +421,12 @@ class StreamTracker(Generic[T]):
         out: list[TrackerAction[T]] = []
         self._unhold(out)
         if self._unvouched:
-            # A reply that covers what the live path had in order when it was asked is
-            # complete, and one that brought nothing new holds nothing more: either way a
-            # held seq asked about and above it was never sent.  (An empty answer to a
-            # catch-up may predate the stream's first batch: the next round asks again.)
-            complete = 0 <= self._req_front <= self._covered
+            # A reply that brought nothing new holds nothing more: a held seq asked about
+            # and above what it covered was never sent.  (One that did may have been cut
+            # short: the next round asks again.  An empty answer to a catch-up may predate
+            # the stream's first batch: the next round asks again too.)
             answered = self._replies > 0 or self.last is not None
-            if answered and (complete or not self._progress):
+            if answered and not self._progress:
                 self._disown(out)
             self._continued()
         covered = self._covered

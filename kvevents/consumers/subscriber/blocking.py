@@ -7,13 +7,11 @@ One job: the blocking wait.  May import the subscriber's core and options.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
 
 from kvevents.consumers.subscriber.core import SubscriberCore
 from kvevents.consumers.subscriber.items import SubscriberItem
-from kvevents.consumers.subscriber.options import EndpointSpec, ReplaySpec
 
 __all__ = ["Subscriber"]
 
@@ -59,15 +57,6 @@ class Subscriber(SubscriberCore):
     costs the same whatever the number of sources: their sockets are registered once
     with the platform's selector.  Durations are seconds.
     """
-
-    def __init__(
-        self,
-        endpoints: EndpointSpec | Sequence[EndpointSpec],
-        topic: bytes | str = b"",
-        replay_endpoints: ReplaySpec = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(endpoints, topic, replay_endpoints, **options)
 
     def receive(self, timeout: float | None = None) -> SubscriberItem | None:
         """Return the next batch or anomaly, waiting up to ``timeout`` seconds (None: for
