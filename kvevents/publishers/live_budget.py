@@ -1,82 +1,84 @@
 """A byte budget on what subscribers can pin in the PUB socket's send queues.
 
 One job: keep the memory a subscriber that stops reading can make the publisher hold
-under a number of bytes, per subscriber and over all subscribers.  ZeroMQ bounds a
-subscriber's queue only in messages (``ZMQ_SNDHWM``, one queue per connection), so
-:class:`LiveBudget` derives that high-water mark from the budget and the batch size it
-observes::
+under a number of bytes.  ZeroMQ bounds a subscriber's queue only in messages
+(``ZMQ_SNDHWM``, one queue per connection), so the high-water mark is derived, once,
+before the socket binds or connects, from the per-subscriber budget and a batch-size
+hint (:func:`budget_hwm`)::
 
-    hwm = min(per_subscriber_bytes, total_bytes / subscribers) / bytes_per_batch
+    hwm = min(per_subscriber_bytes, total_bytes) / (batch_bytes_hint + per-batch overhead)
 
-where ``bytes_per_batch`` is an estimate of the encoded payload (it rises at once with
-bigger batches and falls slowly) plus the topic and seq frames and the three message
-headers each queue holds per batch.  ``subscribers`` is the number of matching
-subscriptions (:class:`~kvevents.publishers.subscriptions.SubscriptionCounter`): only
-those queues receive batches.  The high-water mark is set again when the estimate
-drifts by an eighth, when the count changes (a new subscriber is covered before the
-next burst: ZeroMQ gives a new connection the mark the socket had when it was bound or
-connected, and a change reaches only the connections attached at the time) and once a
-second.
+The mark is never changed on a live socket: libzmq pushes a new ``SNDHWM`` to every
+pipe of the socket, including one whose peer has just disconnected and is being torn
+down, and the I/O thread then touches the freed peer (a crash of the engine process,
+seen with subscribers killed while the mark was being re-derived).  So the bound in
+bytes holds for batches up to the hint; :class:`LiveBudget` watches the batch size
+actually sent and the subscriber count, reports what the queues can pin at most
+(``live_pinned_bytes_bound``), and warns (rate-limited) and counts
+(``live_budget_overruns``) when that exceeds ``total_bytes``.
 
-A subscriber whose queue is full misses the batches sent meanwhile: it sees a gap in
-the seqs and recovers them from the replay service.  Imports pyzmq and the stats.
+Subscribers stalled together pin the same messages (ZeroMQ shares one payload between
+the queues of all subscribers), so N subscribers that stopped reading at the same time
+hold about one budget, not N.  A subscriber whose queue is full misses the batches sent
+meanwhile: it sees a gap in the seqs and recovers them from the replay service.
+Imports the stats only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable
-from typing import Any
-
-import zmq
-
 from kvevents.publishers.publisher_stats import PublisherStats
+from kvevents.ratelimit import RateLimitedLog
 
-__all__ = ["QUEUED_FRAME_BYTES", "LiveBudget"]
+__all__ = ["QUEUED_FRAME_BYTES", "LiveBudget", "budget_hwm"]
 
 QUEUED_FRAME_BYTES = 64
 """What ZeroMQ holds per queued frame besides a shared payload (a ``zmq_msg_t``)."""
 
-_REAPPLY_EVERY_S = 1.0
-_DRIFT = 1 / 8
+
+def budget_hwm(
+    *,
+    per_subscriber_bytes: int,
+    total_bytes: int,
+    batch_bytes_hint: int,
+    envelope_bytes: int,
+    max_hwm: int,
+) -> int:
+    """The ``SNDHWM`` (messages, at least 1) that keeps one subscriber's queue of batches
+    of ``batch_bytes_hint`` payload bytes within ``min(per_subscriber_bytes,
+    total_bytes)``; never above ``max_hwm`` (0: no cap)."""
+    per_batch = batch_bytes_hint + envelope_bytes + 3 * QUEUED_FRAME_BYTES
+    hwm = max(1, min(per_subscriber_bytes, total_bytes) // per_batch)
+    return min(hwm, max_hwm) if max_hwm > 0 else hwm
 
 
 class LiveBudget:
-    """Derives and sets the PUB socket's ``SNDHWM`` from a byte budget.
+    """Watches what the fixed ``SNDHWM`` lets subscribers pin, in bytes.
 
-    ``pub`` is the PUB socket.  ``per_subscriber_bytes`` and ``total_bytes`` are the
-    budget; ``max_hwm`` the configured high-water mark (messages; 0: none), which the
-    derived one never exceeds; ``envelope_bytes`` the topic and seq frames' length.
+    ``hwm`` is the mark the socket was created with (messages); ``total_bytes`` the
+    budget over all subscribers; ``envelope_bytes`` the topic and seq frames' length.
     Only the sender thread calls the methods.
     """
 
     def __init__(
         self,
-        pub: zmq.Socket[Any],
         stats: PublisherStats,
+        log: RateLimitedLog,
         *,
-        per_subscriber_bytes: int,
+        hwm: int,
         total_bytes: int,
-        max_hwm: int,
         envelope_bytes: int,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pub = pub
         self.stats = stats
-        self.per_subscriber_bytes = per_subscriber_bytes
+        self.log = log
+        self.hwm = hwm
         self.total_bytes = total_bytes
-        self.max_hwm = max_hwm
         self.overhead_bytes = envelope_bytes + 3 * QUEUED_FRAME_BYTES
-        self.clock = clock
         self.subscribers = 0
-        """Matching subscriptions now (at least one is assumed)."""
-        self.hwm = max_hwm
-        """The ``SNDHWM`` last set (messages; 0: unlimited)."""
+        """Matching subscriptions now."""
         self.estimate = 0.0
         """Estimated payload bytes of a batch (0 before the first batch)."""
-        self._low = self._high = 0.0
-        self._next_reapply = 0.0
+        self._over = False
+        stats.live_hwm = hwm
 
     def observe(self, payload_bytes: int) -> None:
         """Account for one batch of ``payload_bytes`` about to be sent."""
@@ -85,48 +87,35 @@ class LiveBudget:
             estimate = float(payload_bytes)
         else:
             estimate += (payload_bytes - estimate) / 64
-        self.estimate = estimate
-        if estimate > self._high or estimate < self._low:
-            self.retune()
+        if int(estimate) != int(self.estimate):
+            self.estimate = estimate
+            self._update()
+        else:
+            self.estimate = estimate
 
     def set_subscribers(self, count: int) -> None:
         """The number of matching subscriptions changed to ``count``."""
         self.subscribers = count
         self.stats.live_subscribers = count
-        self.retune(force=True)
+        self._update()
 
-    def tick(self) -> None:
-        """Set the high-water mark again when a second has passed since the last time."""
-        if self.estimate and self.clock() >= self._next_reapply:
-            self.retune(force=True)
-
-    def target(self) -> int:
-        """The high-water mark the budget allows now (messages, at least 1)."""
-        share = min(self.per_subscriber_bytes, self.total_bytes // max(1, self.subscribers))
-        hwm = max(1, int(share // (self.estimate + self.overhead_bytes)))
-        return min(hwm, self.max_hwm) if self.max_hwm > 0 else hwm
-
-    def retune(self, *, force: bool = False) -> None:
-        """Set the derived high-water mark (``force``: even when unchanged)."""
-        if not self.estimate:
-            return
-        hwm = self.target()
-        self._low = self.estimate * (1 - _DRIFT)
-        self._high = self.estimate * (1 + _DRIFT)
+    def _update(self) -> None:
         stats = self.stats
         stats.live_batch_bytes = int(self.estimate)
-        stats.live_pinned_bytes_bound = (
-            hwm * int(self.estimate + self.overhead_bytes) * max(1, self.subscribers)
-        )
-        if hwm == self.hwm and not force:
-            return
-        # Reading the socket's events first makes it attach the connections ZeroMQ
-        # has handed over, so the new mark reaches them too.
-        with contextlib.suppress(zmq.ZMQError):
-            self.pub.getsockopt(zmq.EVENTS)
-            self.pub.setsockopt(zmq.SNDHWM, hwm)
-            if hwm != self.hwm:
-                stats.live_hwm_updates += 1
-            self.hwm = hwm
-            stats.live_hwm = hwm
-        self._next_reapply = self.clock() + _REAPPLY_EVERY_S
+        bound = self.hwm * int(self.estimate + self.overhead_bytes) * max(1, self.subscribers)
+        stats.live_pinned_bytes_bound = bound
+        over = bound > self.total_bytes
+        if over and not self._over:
+            stats.live_budget_overruns += 1
+            self.log.warning(
+                "live",
+                "subscribers could pin up to %d bytes (%d subscribers x %d batches of about "
+                "%d bytes), above the %d-byte budget: lower live_batch_bytes_hint's "
+                "assumption by raising it to the batch size seen",
+                bound,
+                max(1, self.subscribers),
+                self.hwm,
+                int(self.estimate),
+                self.total_bytes,
+            )
+        self._over = over

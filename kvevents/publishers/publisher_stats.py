@@ -58,11 +58,12 @@ class PublisherStats:
       ZeroMQ dropped for a frame above ``replay_max_message_bytes``.
     * ``internal_errors``: unexpected exceptions in the sender thread (logged).
     * The live byte budget (what subscribers that stop reading can pin):
-      ``live_subscribers`` (connections open now), ``live_hwm`` (the ``SNDHWM`` derived
-      from the budget, messages per subscriber; the configured ``hwm`` until the first
-      batch), ``live_hwm_updates`` (times it was changed), ``live_batch_bytes`` (the
-      batch size it was derived from) and ``live_pinned_bytes_bound`` (what all
-      subscribers' queues can hold at most under it, bytes).
+      ``live_subscribers`` (matching subscriptions now), ``live_hwm`` (the ``SNDHWM``
+      derived from the budget and the batch-size hint, messages per subscriber),
+      ``live_batch_bytes`` (the batch size seen), ``live_pinned_bytes_bound`` (what all
+      subscribers' queues can hold at most with that size, bytes) and
+      ``live_budget_overruns`` (times that bound went above ``live_max_bytes_in_flight``;
+      each is a warning).
     * ``head_batches_held``: in connect mode, batches published before the collector's
       first subscription arrived and held until it did.
     * ``replay_buffer_bytes``: payload bytes in the replay ring now (at most
@@ -89,7 +90,7 @@ class PublisherStats:
     internal_errors: int = 0
     live_subscribers: int = 0
     live_hwm: int = 0
-    live_hwm_updates: int = 0
+    live_budget_overruns: int = 0
     live_batch_bytes: int = 0
     live_pinned_bytes_bound: int = 0
     head_batches_held: int = 0

@@ -51,8 +51,8 @@ Deliberate differences from vLLM 0.33's ``ZmqEventPublisher`` (its queue and sen
   ``publish()`` afterwards raises :class:`~kvevents.errors.PublisherClosedError`.
 * What subscribers that stop reading can pin is bounded in bytes
   (``live_max_client_bytes`` each, ``live_max_bytes_in_flight`` in all): the PUB
-  socket's high-water mark is derived from the budget and the observed batch size,
-  never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`).  The socket is an
+  socket's high-water mark is derived from the budget and a batch-size hint before the
+  socket opens, never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`).  The socket is an
   XPUB (the same protocol) so that the sender sees who subscribes.
 * In connect mode the batches published before the first subscription arrives are held
   (bounded, counted) and sent once it has, instead of being lost
@@ -94,7 +94,7 @@ from kvevents.errors import ConfigError, EncodeError, PublisherClosedError
 from kvevents.events import EventBatch
 from kvevents.publishers.delivery import DeliveryMarks
 from kvevents.publishers.head_hold import HeadHold
-from kvevents.publishers.live_budget import LiveBudget
+from kvevents.publishers.live_budget import LiveBudget, budget_hwm
 from kvevents.publishers.publisher_stats import REFUSAL_REASONS, PublisherStats, count_drop
 from kvevents.publishers.replay_service import ReplayService
 from kvevents.publishers.settings import validate_publisher_fields, validate_zmq_tuning
@@ -164,9 +164,11 @@ class ZmqEventPublisher:
     * ``live_max_client_bytes``: what one subscriber that stops reading can make the
       publisher hold in its send queue (bytes, default 64 MiB);
       ``live_max_bytes_in_flight``: the same over all subscribers (default 256 MiB).
-      The PUB socket's ``SNDHWM`` is derived from them and the observed batch size,
-      never above ``hwm`` (:class:`~kvevents.publishers.live_budget.LiveBudget`); a
-      subscriber at its budget misses batches (a seq gap it recovers by replay).
+      The PUB socket's ``SNDHWM`` is derived from them and ``live_batch_bytes_hint``
+      (the payload bytes of a typical batch, default 16 KiB) once, before the socket
+      binds or connects, never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`:
+      a live change of the mark can crash libzmq); a subscriber at its budget misses
+      batches (a seq gap it recovers by replay).
       ``None`` for both: vLLM's behaviour, ``hwm`` messages per subscriber whatever
       their size.
     * ``hold_until_subscribed``: hold the batches published before the first
@@ -213,6 +215,7 @@ class ZmqEventPublisher:
         bind: bool | None = None,
         live_max_client_bytes: int | None = 64 * _MiB,
         live_max_bytes_in_flight: int | None = 256 * _MiB,
+        live_batch_bytes_hint: int = 16 * 1024,
         hold_until_subscribed: bool | None = None,
     ) -> None:
         validate_publisher_fields(
@@ -242,6 +245,7 @@ class ZmqEventPublisher:
                 "replay_max_buffer_bytes": replay_max_buffer_bytes,
                 "replay_max_message_bytes": replay_max_message_bytes,
                 "max_subscription_bytes": max_subscription_bytes,
+                "live_batch_bytes_hint": live_batch_bytes_hint,
                 **{
                     name: value
                     for name, value in (
@@ -305,12 +309,23 @@ class ZmqEventPublisher:
         budgeted = live_max_client_bytes is not None or live_max_bytes_in_flight is not None
         self.live_max_client_bytes = live_max_client_bytes
         self.live_max_bytes_in_flight = live_max_bytes_in_flight
+        self.live_batch_bytes_hint = live_batch_bytes_hint
+        unlimited = 1 << 62
+        live_hwm = hwm
+        if budgeted:
+            live_hwm = budget_hwm(
+                per_subscriber_bytes=live_max_client_bytes or unlimited,
+                total_bytes=live_max_bytes_in_flight or unlimited,
+                batch_bytes_hint=live_batch_bytes_hint,
+                envelope_bytes=len(topic.encode("utf-8")) + 8,
+                max_hwm=hwm,
+            )
         sockets = PublisherSockets(
             context=context,
             endpoint=self.requested_endpoint,
             replay_endpoint=self.requested_replay_endpoint,
             bind=self.binds,
-            hwm_messages=hwm,
+            hwm_messages=live_hwm,
             max_subscription_bytes=max_subscription_bytes,
             replay_sndhwm_messages=replay_sndhwm,
             replay_max_message_bytes=replay_max_message_bytes,
@@ -342,16 +357,14 @@ class ZmqEventPublisher:
                 request_log=RateLimitedLog(logger, warn_interval_s),
                 error_log=error_log,
             )
-        self.stats.live_hwm = hwm
+        self.stats.live_hwm = live_hwm
         budget = None
         if budgeted:
-            unlimited = 1 << 62
             budget = LiveBudget(
-                sockets.pub,
                 self.stats,
-                per_subscriber_bytes=live_max_client_bytes or unlimited,
+                RateLimitedLog(logger, warn_interval_s),
+                hwm=live_hwm,
                 total_bytes=live_max_bytes_in_flight or unlimited,
-                max_hwm=hwm,
                 envelope_bytes=len(topic_frame) + 8,
             )
         head = None

@@ -184,8 +184,6 @@ class SenderThread:
             if head is not None and not head.subscribed:
                 head.subscribed = True
                 self._release_head(head)
-        elif budget is not None:
-            budget.tick()
         replay = self.replay
         # Block for the next batch unless a replay can make progress right now; a
         # replay whose client is full is retried after at most idle_poll_s.
