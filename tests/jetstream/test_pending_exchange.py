@@ -188,6 +188,7 @@ def test_a_request_that_ends_unstored_ends_on_the_other_replica_too(
     )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
+    err.value.close()  # the error holds the response's socket
     assert err.value.code == 400
     # B heard of it; then of its end: no pending credit left well within the TTL
     assert wait_until(
