@@ -149,3 +149,4 @@ def test_an_unreachable_peer_stops_the_service_with_one_line() -> None:
     assert proc.p.wait(timeout=60) == 2
     wait_until(lambda: proc.stderr_has("cannot bootstrap from http://127.0.0.1:9/snapshot"),
                what="the error line")  # fmt: skip
+    proc.stop()  # the process has exited: this closes its pipes
