@@ -137,10 +137,13 @@ def pack(
     extra: Any = None,
     tokens: tuple[int, ...] | None = None,
     chain: int | None = None,
+    gpu: int = 0,
 ) -> Record:
-    """A record with a GPU refcount of 0: packed when every field fits, else a tuple."""
+    """A record with a GPU refcount of ``gpu``: packed when every field fits, else a
+    tuple.  (A new block of a GPU store is made holding its first GPU reference, see
+    :meth:`.refs.RefRules.ref`.)"""
     if chain is not None and chain != ck:
-        return (ck, end_blocks, parent, size, lora, extra, tokens, 0, chain)
+        return (ck, end_blocks, parent, size, lora, extra, tokens, gpu, chain)
     if (
         lora is None
         and extra is None
@@ -149,7 +152,7 @@ def pack(
         and (end_blocks is None or end_blocks < FIELD_MASK)
         and 0 < size <= FIELD_MASK
     ):
-        v = size << SIZE_SHIFT
+        v = (gpu << GPU_SHIFT) | (size << SIZE_SHIFT)
         if ck is not None:
             v |= ck | HAS_CK
         if end_blocks is not None:
@@ -157,7 +160,7 @@ def pack(
         if parent is not None:
             v |= (parent + 1) << PARENT_SHIFT
         return v
-    return (ck, end_blocks, parent, size, lora, extra, tokens, 0)
+    return (ck, end_blocks, parent, size, lora, extra, tokens, gpu)
 
 
 def plain_hash(h: Hash) -> bool:

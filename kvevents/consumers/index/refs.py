@@ -126,6 +126,7 @@ class RefRules:
         h: Hash,
         ck: int | None,
         free_link: bool = False,
+        held: bool = False,
     ) -> bool:
         """Count one more residency of ``h`` on ``tier``; ``ck`` is its content key.
 
@@ -139,6 +140,9 @@ class RefRules:
         eviction queue (a GPU store queues its blocks itself, at its end).
         ``free_link``: a GPU store's new block whose link to its parent is free (its
         record carries the flag, see :mod:`.eviction`): not counted as a child.
+        ``held``: a GPU store's new block whose record was made holding this, its first,
+        GPU reference (``pack(..., gpu=1)``): nothing left to count in the record, and
+        no retained place to forget (:class:`~.join.Retention` holds records it has).
 
         Returns whether ``h`` became resident and, while the bookkeeping runs, has no
         earlier place in the eviction queue (not :attr:`Eviction.forgotten`): the next
@@ -148,14 +152,15 @@ class RefRules:
             return False
         refs = gs.refs
         if tier == GPU:
-            m = gs.meta.get(h)
-            if m is None:
-                # the memory cap dropped this entry whole while it was being applied
-                # (e.g. while joining its pending CPU stores); nothing left to count
-                return False
-            gs.meta[h] = add_gpu(m, 1)
-            if gpu_refs(m):
-                return False  # not the first GPU reference
+            if not held:
+                m = gs.meta.get(h)
+                if m is None:
+                    # the memory cap dropped this entry whole while it was being applied
+                    # (e.g. while joining its pending CPU stores); nothing left to count
+                    return False
+                gs.meta[h] = add_gpu(m, 1)
+                if gpu_refs(m):
+                    return False  # not the first GPU reference
             if ck is not None:
                 mark(self.marks[GPU], ck, gs.bit)
             if h in refs[CPU] or h in refs[STORAGE]:
@@ -173,7 +178,8 @@ class RefRules:
                 return False  # resident already
         cap = self.cap
         cap.resident += 1
-        if self.retention.records:
+        # (a record just made has no retained place: retention keeps records it has)
+        if not held and self.retention.records:
             self.retention.forget(w.wid, gs.group, h)
         fresh = False
         if cap.tracking:
@@ -205,17 +211,19 @@ class RefRules:
                 self.remove_unknown(w, None, group, h, tier)
             return
         meta, refs, marks, bit = gs.meta, gs.refs, self.marks[tier], gs.bit
-        counts = refs[tier]  # (CPU/STORAGE: the refcounts)
-        cap, retire = self.cap, self.retention.retire
+        counts, on_gpu = refs[tier], tier == GPU  # (CPU/STORAGE: the refcounts)
+        # the other tiers' refcounts (CPU/STORAGE: the other one, twice)
+        o1, o2 = (refs[CPU], refs[STORAGE]) if on_gpu else (refs[3 - tier], refs[3 - tier])
+        cap, retire, wid = self.cap, self.retention.retire, w.wid
         removed = 0
         for h in hashes:
             m = meta.get(h)
-            count = (0 if m is None else gpu_refs(m)) if tier == GPU else counts.get(h, 0)
+            count = (0 if m is None else gpu_refs(m)) if on_gpu else counts.get(h, 0)
             if not count:
                 self.remove_unknown(w, gs, group, h, tier)
                 continue
             removed += 1
-            if tier == GPU:
+            if on_gpu:
                 meta[h] = add_gpu(m, -1)  # type: ignore[arg-type]  # (count > 0: m is a record)
             elif count > 1:
                 counts[h] = count - 1
@@ -226,11 +234,8 @@ class RefRules:
             ck = content_key(m) if m is not None else None
             if ck is not None:
                 unmark(marks, ck, bit)
-            if tier == GPU:
-                if h in refs[CPU] or h in refs[STORAGE]:
-                    continue  # still resident
-            elif (m is not None and gpu_refs(m)) or h in refs[3 - tier]:
-                continue  # still resident
+            if h in o1 or h in o2 or (not on_gpu and m is not None and gpu_refs(m)):
+                continue  # still resident (held by another tier)
             cap.resident -= 1
             if gs.deferred:
                 gs.deferred.pop(h, None)
@@ -240,7 +245,7 @@ class RefRules:
                 parent = counted_parent(m) if gs.kids else None  # (kids: the cap's bookkeeping)
                 if parent is not None:
                     cap.unkid(gs, parent)
-                retire(w.wid, gs, h)
+                retire(wid, gs, h)
         if removed:
             self.stats.removed[TIERS[tier]] += removed
 

@@ -77,6 +77,7 @@ class _StoreRun:
         "feed",
         "free_links",
         "gs",
+        "hold",
         "key",
         "keyed",
         "link_free",
@@ -112,6 +113,9 @@ class _StoreRun:
         self.parent: Hash | None = ev.parent_block_hash
         self.tokens = StoreTokens(ev.token_ids, feed.canonical_block_size) if keyed else None
         self.pending = w.wid in feed.pending.per_worker
+        # a new GPU record is made holding its first GPU reference (RefRules.ref's
+        # ``held``) unless a placeholder may join it before that reference
+        self.hold = tier == GPU and not self.pending
         self.free_links = _free_links_allowed(self)
         self.link_free = False  # the next new block's link to its parent is free
 
@@ -120,13 +124,15 @@ class _StoreRun:
         LRU touch on the GPU tier: to the end of the group's record order), then one
         more reference on the store's tier (:meth:`RefRules.ref`)."""
         feed, w, gs, tier, keyed = self.feed, self.w, self.gs, self.tier, self.keyed
-        meta, ref, new_record = gs.meta, feed.ref, self.new_record
+        meta, ref, new_record, hold = gs.meta, feed.ref, self.new_record, self.hold
         for i, h in enumerate(self.ev.block_hashes):
             m = meta.get(h)
             if self.free_links and (m is not None or not plain_hash(h)):
                 self.free_links = self.link_free = False
+            held = False
             if m is None:
                 ck = new_record(i, h, None)
+                held = hold
             else:
                 ck = content_key(m)
                 if ck is None and keyed and self.key is not None:
@@ -137,7 +143,7 @@ class _StoreRun:
                         meta[h] = m
                     self.key, self.end = chain_key(m), end_tokens(m)
             self.parent = h
-            fresh = ref(w, gs, tier, h, ck, self.link_free)
+            fresh = ref(w, gs, tier, h, ck, self.link_free, held)
             self.link_free = self.free_links and fresh
 
     def new_record(self, i: int, h: Hash, old: Record | None) -> int | None:
@@ -166,7 +172,8 @@ class _StoreRun:
             feed.stats.skipped["unknown_parent"] += 1
         tokens = tuple(ev.token_ids[start : start + size]) if feed.keep_token_ids else None
         end_blocks = end // size if end is not None else None
-        m = pack(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain)
+        gpu = 1 if old is None and self.hold else 0  # (see __init__)
+        m = pack(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain, gpu)
         if self.link_free:
             m = with_free_link(m)
         if old is not None:  # an orphan healed: keep its refcount, re-key its residencies
