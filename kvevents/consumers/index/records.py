@@ -78,6 +78,7 @@ __all__ = [
     "chain_key",
     "content_key",
     "counted_parent",
+    "drop_gpu",
     "end_tokens",
     "gpu_refs",
     "has_free_link",
@@ -208,6 +209,16 @@ def add_gpu(m: Record, delta: int) -> Record:
     if isinstance(m, int):
         return m + delta * GPU_ONE
     return (*m[:F_GPU], m[F_GPU] + delta, *m[F_CHAIN:])
+
+
+def drop_gpu(m: Record) -> tuple[int, Record]:
+    """The record's GPU refcount, and the record with one GPU reference fewer (when the
+    count is 0 the record is returned unchanged: there is none to drop)."""
+    if isinstance(m, int):
+        count = m >> GPU_SHIFT
+        return count, (m - GPU_ONE if count else m)
+    count = m[F_GPU]
+    return count, ((*m[:F_GPU], count - 1, *m[F_CHAIN:]) if count else m)
 
 
 def content_key(m: Record) -> int | None:

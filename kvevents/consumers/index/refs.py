@@ -36,6 +36,7 @@ from kvevents.consumers.index.records import (
     add_gpu,
     content_key,
     counted_parent,
+    drop_gpu,
     gpu_refs,
 )
 from kvevents.consumers.index.stats import IndexStats
@@ -218,13 +219,18 @@ class RefRules:
         removed = 0
         for h in hashes:
             m = meta.get(h)
-            count = (0 if m is None else gpu_refs(m)) if on_gpu else counts.get(h, 0)
+            if not on_gpu:
+                count = counts.get(h, 0)
+            elif m is not None:
+                count, dropped = drop_gpu(m)
+            else:
+                count = 0
             if not count:
                 self.remove_unknown(w, gs, group, h, tier)
                 continue
             removed += 1
             if on_gpu:
-                meta[h] = add_gpu(m, -1)  # type: ignore[arg-type]  # (count > 0: m is a record)
+                meta[h] = dropped
             elif count > 1:
                 counts[h] = count - 1
             else:
