@@ -79,9 +79,10 @@ class Proc:
     def stderr_has(self, text: str) -> bool:
         return any(text in line for line in list(self.errors))
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` (SIGKILL after 15 s), close the pipes; the exit status."""
         if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
+            self.p.send_signal(sig)
             try:
                 self.p.wait(timeout=15)
             except subprocess.TimeoutExpired:

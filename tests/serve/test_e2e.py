@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -23,69 +18,9 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ._procs import Proc, wait_until
+
 SYSTEM = "You answer questions about caches, briefly and kindly. " * 8
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if cond():
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-class Proc:
-    """A ``kvevents`` subprocess whose stdout lines are read on a thread."""
-
-    def __init__(self, *args: str) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "kvevents.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def read_lines(self, n: int, timeout: float = 30.0) -> list[str]:
-        out = []
-        deadline = time.monotonic() + timeout
-        while len(out) < n:
-            try:
-                out.append(self.lines.get(timeout=max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                err = self.p.stderr.read() if self.p.poll() is not None and self.p.stderr else ""
-                raise AssertionError(f"no output from {self.p.args}: {err}") from None
-        return out
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(sig)
-            try:
-                self.p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._reader.join(timeout=15)  # the pipe ends with the process
-        for pipe in (self.p.stdout, self.p.stderr):
-            if pipe is not None and not self._reader.is_alive():
-                pipe.close()
-        return self.p.returncode
 
 
 def _free_run(n: int) -> int:
@@ -130,19 +65,19 @@ def fleet() -> Iterator[Fleet]:
     )  # fmt: skip
     procs = [sims]
     try:
-        lines = sims.read_lines(3)
+        lines = sims.read_lines(3, 30.0)
         victim = Proc("sim", "serve", "--engines", "1")
         procs.append(victim)
-        (vline,) = victim.read_lines(1)
+        (vline,) = victim.read_lines(1, 30.0)
         vspec = vline.removeprefix("--engine ").replace("sim-0=", "victim=", 1)
         args = [a for line in lines for a in line.split(" ", 1)]
         service = Proc("serve", *args, "--engine", vspec, "--port", "0", "--scrape-interval", "0.2")
         procs.append(service)
-        (listening,) = service.read_lines(1)
+        (listening,) = service.read_lines(1, 30.0)
         m = re.search(r"http://127\.0\.0\.1:\d+", listening)
         assert m, listening
         url = m.group(0)
-        wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, what="/readyz")
+        wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, 30.0, what="/readyz")
         engines = {
             spec.split("=")[0]: spec.split("=")[1].split(",")[0]
             for spec in [line.removeprefix("--engine ") for line in lines] + [vspec]
@@ -214,7 +149,7 @@ def test_requests_reach_the_predicted_engine_unchanged(
         r1 = c.post(path, json=body(0))
         assert r1.status_code == 200
         _digest_ok(fleet, r1, stream)
-        wait_until(caught_up(fleet), what="the index to settle")
+        wait_until(caught_up(fleet), 30.0, what="the index to settle")
         route_body = {k: v for k, v in body(1).items() if k in ("messages", "prompt")}
         ranked = c.post("/route", json=route_body).json()["ranked"]
         best = ranked[0]
@@ -268,7 +203,7 @@ def test_engine_killed_mid_run_is_marked_and_skipped(fleet: Fleet) -> None:
     prompt = SYSTEM + " the victim's own conversation"
     # the victim holds this prompt's prefix: the index sends its follow-ups there
     httpx.post(victim_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
-    wait_until(caught_up(fleet), what="the index to settle")
+    wait_until(caught_up(fleet), 30.0, what="the index to settle")
     ranked = httpx.post(fleet.url + "/route", json={"prompt": prompt + " more"}).json()["ranked"]
     assert ranked[0]["engine"] == "victim"
 
@@ -315,12 +250,14 @@ def test_engine_killed_mid_run_is_marked_and_skipped(fleet: Fleet) -> None:
 def test_sim_serve_and_serve_stop_cleanly_on_sigterm() -> None:
     sims = Proc("sim", "serve", "--engines", "1")
     try:
-        (line,) = sims.read_lines(1)
+        (line,) = sims.read_lines(1, 30.0)
         service = Proc("serve", *line.split(" ", 1), "--port", "0")
         try:
-            (listening,) = service.read_lines(1)
+            (listening,) = service.read_lines(1, 30.0)
             url = re.search(r"http://127\.0\.0\.1:\d+", listening).group(0)  # type: ignore[union-attr]
-            wait_until(lambda: httpx.get(url + "/healthz").status_code == 200, what="/healthz")
+            wait_until(
+                lambda: httpx.get(url + "/healthz").status_code == 200, 30.0, what="/healthz"
+            )
         finally:
             # uvicorn shuts down gracefully, then re-raises the signal (as vLLM's server)
             assert service.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
