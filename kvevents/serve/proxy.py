@@ -41,6 +41,14 @@ from kvevents.serve.routing import LoadTracker, Ranked
 from kvevents.serve.telemetry import ServeMetrics
 from kvevents.serve.tokens import BadRequest
 
+_ENGINE_GONE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+)
+"""Errors after which nothing was answered: the engine is gone, the next one is tried."""
+
 __all__ = ["Forwarder", "RankStats"]
 
 
@@ -190,12 +198,7 @@ class Forwarder:
             client = self.clients[name]
             try:
                 resp = await client.post(st.engine.http_base() + path, content=body, headers=h)
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.RemoteProtocolError,
-                httpx.ReadError,
-            ) as exc:
+            except _ENGINE_GONE as exc:
                 if res is not None:
                     res.dropped(rid)
                 self._failed(st, path, exc, uncached)
@@ -269,12 +272,7 @@ class Forwarder:
             req = client.build_request("POST", st.engine.http_base() + path, content=raw, headers=h)
             try:
                 resp = await client.send(req, stream=True)
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.RemoteProtocolError,
-                httpx.ReadError,
-            ) as exc:
+            except _ENGINE_GONE as exc:
                 # nothing was answered: the engine is gone; try the next one
                 if res is not None:
                     res.dropped(rid)
