@@ -42,7 +42,7 @@ from kvevents.codec import (
     pack_replay_request,
     parse_replay_request,
 )
-from kvevents.consumers import ReceivedBatch, Subscriber
+from kvevents.consumers import ReceivedBatch, Subscriber, SubscriberOptions
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 
 TOPIC = b"kv@bench"
@@ -151,7 +151,7 @@ def run_raw(n_pubs: int, per_pub: int) -> float:
 def run_subscriber(n_pubs: int, per_pub: int) -> tuple[float, int]:
     """Subscriber: receive, decode, track; returns (batches/s, anomalies seen)."""
     proc, eps, ready, done = _start_publishers(n_pubs, per_pub)
-    sub = Subscriber(eps, rcvhwm=0)
+    sub = Subscriber(eps, options=SubscriberOptions(rcvhwm=0))
     ready.wait(30)
     done.wait(120)
     total = n_pubs * per_pub
@@ -219,7 +219,11 @@ def gap_recovery(gap: int, repeats: int) -> tuple[float, float]:
     ctx = zmq.Context.instance()
     try:
         for _ in range(repeats):
-            with Subscriber(ep, replay_endpoints=[rep], replay_timeout_s=30, catch_up=False) as sub:
+            with Subscriber(
+                ep,
+                replay_endpoints=[rep],
+                options=SubscriberOptions(replay_timeout_s=30, catch_up=False),
+            ) as sub:
                 t_gap = None
                 while True:
                     item = sub.receive(30)
@@ -329,7 +333,9 @@ def _sub_under_flood(limit: int | None, frames: int, size: int) -> tuple[float, 
     ep = f"tcp://127.0.0.1:{ports.get(timeout=30)}"
 
     def run() -> None:
-        with Subscriber(ep, max_message_size_bytes=limit, stale_after_s=None) as sub:
+        with Subscriber(
+            ep, options=SubscriberOptions(max_message_size_bytes=limit, stale_after_s=None)
+        ) as sub:
             end = time.monotonic() + 120
             while not done.is_set() and time.monotonic() < end:
                 sub.receive(0.05)
@@ -360,8 +366,7 @@ def _sub_under_endless_replay(bounded: bool, seconds: float, size: int) -> tuple
             with Subscriber(
                 ep,
                 replay_endpoints=[rep],
-                stale_after_s=None,
-                max_replay_batches=20_000,
+                options=SubscriberOptions(stale_after_s=None, max_replay_batches=20_000),
             ) as sub:
                 while time.monotonic() < end:
                     sub.receive(0.05)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import arg_parser, report, result
 from benchmarks.subscriber import TOPIC, payloads
 from kvevents.codec import pack_live
-from kvevents.consumers import ReceivedBatch, Subscriber
+from kvevents.consumers import ReceivedBatch, Subscriber, SubscriberOptions
 
 
 def _pub(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
@@ -155,7 +155,9 @@ def run_subscriber(
 ) -> float:
     feed = _Feed(n, rate, engines)
     endpoints = feed.endpoints[0] if engines == 1 else feed.endpoints
-    sub = Subscriber(endpoints, rcvhwm=0, catch_up=False, stale_after_s=None)
+    sub = Subscriber(
+        endpoints, options=SubscriberOptions(rcvhwm=0, catch_up=False, stale_after_s=None)
+    )
     feed.start()
     got = 0
     if prof is not None:
@@ -254,7 +256,9 @@ class _WarmPair:
             self.pubs.append(pub)
         self.data = payloads()
         self.sub = Subscriber(
-            "inproc://warm-ours", rcvhwm=0, catch_up=False, stale_after_s=None, context=self.ctx
+            "inproc://warm-ours",
+            context=self.ctx,
+            options=SubscriberOptions(rcvhwm=0, catch_up=False, stale_after_s=None),
         )
         self.raw = self.ctx.socket(zmq.SUB)
         self.raw.setsockopt(zmq.RCVHWM, 0)

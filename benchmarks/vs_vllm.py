@@ -248,10 +248,10 @@ def _run_e2e(which: str, spec: Any, n: int, ref_ns: Any) -> tuple[float, float, 
     first = last = 0.0
     try:
         if which == "ours":
-            from kvevents.consumers import Subscriber
+            from kvevents.consumers import Subscriber, SubscriberOptions
             from kvevents.consumers.subscriber import ReceivedBatch
 
-            sub = Subscriber(endpoint, rcvhwm=0)
+            sub = Subscriber(endpoint, options=SubscriberOptions(rcvhwm=0))
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 item = sub.receive(0.5)

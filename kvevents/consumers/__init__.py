@@ -30,6 +30,7 @@ from kvevents.consumers.subscriber import (
     ReceivedBatch,
     Subscriber,
     SubscriberItem,
+    SubscriberOptions,
     SubscriberStats,
 )
 from kvevents.consumers.zmq_source import ZmqSource
@@ -56,6 +57,7 @@ __all__ = [
     "StreamTracker",
     "Subscriber",
     "SubscriberItem",
+    "SubscriberOptions",
     "SubscriberStats",
     "TierSummary",
     "TierWeights",

@@ -27,15 +27,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvevents.codec import BatchDecoder
 from kvevents.consumers.source_protocol import Source
 from kvevents.consumers.subscriber import (
     EndpointSpec,
     ReplaySpec,
     SubscriberCore,
     SubscriberItem,
+    SubscriberOptions,
     SubscriberStats,
 )
 from kvevents.consumers.subscriber.waiting import PollerCache, poll_timeout_ms
+from kvevents.security import CurveClientConfig
 
 __all__ = ["AsyncSubscriber"]
 
@@ -54,9 +57,21 @@ class AsyncSubscriber:
         endpoints: EndpointSpec | Sequence[EndpointSpec],
         topic: bytes | str = b"",
         replay_endpoints: ReplaySpec = None,
-        **options: Any,
+        *,
+        options: SubscriberOptions | None = None,
+        decoder: BatchDecoder | None = None,
+        context: zmq.Context[Any] | None = None,
+        curve: CurveClientConfig | None = None,
     ) -> None:
-        self._core = SubscriberCore(endpoints, topic, replay_endpoints, **options)
+        self._core = SubscriberCore(
+            endpoints,
+            topic,
+            replay_endpoints,
+            options=options,
+            decoder=decoder,
+            context=context,
+            curve=curve,
+        )
         self._pollers = PollerCache(zmq.asyncio.Poller)
         self._readers = True
 

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from kvevents.codec import pack_replay_request, parse_replay_reply
-from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber
+from kvevents.consumers.subscriber import Anomaly, ReceivedBatch, Subscriber, SubscriberOptions
 from kvevents.consumers.zmq_source import ZmqSource
 from kvevents.engines import EngineSpec
 from kvevents.errors import ConfigError, FrameError
@@ -113,7 +113,8 @@ class JetStreamRelay:
     ``chunk_batches`` is the most batches appended in one burst; ``verify_timeout_s``
     bounds the replay that checks, on start, whether an engine still holds the stream's
     last batch; ``connect_window_s`` is how long the first connection is tried before
-    :class:`ConfigError` (``cannot reach nats://...``).  A server lost later is
+    :class:`ConfigError` (``cannot reach nats://...``); ``subscriber_options`` are the
+    settings of the subscriber that follows the engines.  A server lost later is
     reconnected to with backoff (:mod:`kvevents.jetstream.connection`) while the batches
     wait; :meth:`run` returns once ``stop`` is set even then.
     """
@@ -130,7 +131,7 @@ class JetStreamRelay:
         chunk_batches: int = 256,
         verify_timeout_s: float = 2.0,
         context: zmq.Context[Any] | None = None,
-        subscriber_options: dict[str, Any] | None = None,
+        subscriber_options: SubscriberOptions | None = None,
         connect_window_s: float = 2.0,
     ) -> None:
         if not engines:
@@ -172,7 +173,7 @@ class JetStreamRelay:
                             context=self._ctx,
                         )
                     )
-            self.subscriber = Subscriber(sources, **(subscriber_options or {}))
+            self.subscriber = Subscriber(sources, options=subscriber_options)
         except BaseException:
             self._loop.close()
             raise

@@ -62,6 +62,7 @@ from kvevents.consumers import (
     ReceivedBatch,
     SourceMessage,
     Subscriber,
+    SubscriberOptions,
     ZmqSource,
 )
 from kvevents.consumers.source_protocol import CONNECTED, DISCONNECTED, REPLAY_END
@@ -274,9 +275,11 @@ class Fleet:
             # every stream is caught up from the start of its publisher's replay buffer
             self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
-                replay_timeout_s=config.replay_timeout_s,
-                stale_after_s=config.stale_after_s,
-                catch_up=True,
+                options=SubscriberOptions(
+                    replay_timeout_s=config.replay_timeout_s,
+                    stale_after_s=config.stale_after_s,
+                    catch_up=True,
+                ),
             )
         except BaseException:
             for s in self._sources:

@@ -291,7 +291,9 @@ def test_a_recorded_replay_end_marker_reads_back_as_the_live_session(tmp_path: P
         src = RecordingSource(pub.endpoint, recorder, b"", pub.replay_endpoint)
         # no catch-up replay from seq 0 when the publisher is first seen: the gap's replay
         # is the only one, whatever the timing
-        with consumers.Subscriber([src], catch_up=False) as sub:
+        with consumers.Subscriber(
+            [src], options=consumers.SubscriberOptions(catch_up=False)
+        ) as sub:
             pub.wait_for_subscribers(pump=lambda: sub.receive(0.01))
             pub.publish_many((make_batch(i) for i in range(5)), skip={1, 2})
             live = drain(

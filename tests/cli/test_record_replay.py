@@ -72,7 +72,9 @@ def test_record_live_engines_then_replay_into_index_matches_live(
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         live = consumers.Subscriber(
-            cluster.endpoints, replay_endpoints=cluster.replay_endpoints, catch_up=True
+            cluster.endpoints,
+            replay_endpoints=cluster.replay_endpoints,
+            options=consumers.SubscriberOptions(catch_up=True),
         )
         index = consumers.BlockIndex(blocks_per_chunk=4)
         last: dict[tuple[str, int], int] = {}
@@ -135,7 +137,9 @@ def test_replay_publish_reproduces_the_stream(
     path, payloads = sim_capture
     pub_ep = f"ipc://{tmp_path}/pub.ipc"
     rep_ep = f"ipc://{tmp_path}/replay.ipc"
-    sub = consumers.Subscriber([pub_ep], replay_endpoints=[rep_ep], catch_up=True)
+    sub = consumers.Subscriber(
+        [pub_ep], replay_endpoints=[rep_ep], options=consumers.SubscriberOptions(catch_up=True)
+    )
     rc: list[int] = []
     runner = threading.Thread(
         target=lambda: rc.append(

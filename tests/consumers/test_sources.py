@@ -18,6 +18,7 @@ from kvevents.consumers import (
     ReceivedBatch,
     Source,
     Subscriber,
+    SubscriberOptions,
     ZmqSource,
 )
 from kvevents.errors import CaptureError, ConfigError
@@ -166,7 +167,11 @@ def test_ipv6_publisher_is_followed_live_and_through_replay():
         while pub.stats.batches_published < 3:
             assert time.monotonic() < sent_by, "publisher never sent its batches"
             time.sleep(0.001)
-        with Subscriber(pub.endpoint, replay_endpoints=[pub.replay_endpoint], catch_up=True) as sub:
+        with Subscriber(
+            pub.endpoint,
+            replay_endpoints=[pub.replay_endpoint],
+            options=SubscriberOptions(catch_up=True),
+        ) as sub:
             replayed: list[int] = []
             live = False
             deadline = time.monotonic() + 10
@@ -265,7 +270,9 @@ def test_a_read_of_large_messages_stops_at_its_byte_budget_and_nothing_is_left_b
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     try:
-        with Subscriber(f"tcp://127.0.0.1:{port}", rcvhwm=0, catch_up=False) as sub:
+        with Subscriber(
+            f"tcp://127.0.0.1:{port}", options=SubscriberOptions(rcvhwm=0, catch_up=False)
+        ) as sub:
             assert pub.poll(5000), "no subscription"
             pub.recv()
             for seq, p in enumerate(payloads):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -18,6 +19,7 @@ from kvevents.consumers import (
     Anomaly,
     ReceivedBatch,
     Subscriber,
+    SubscriberOptions,
     ZmqSource,
 )
 from kvevents.errors import ConfigError
@@ -48,8 +50,13 @@ def replays_done(sub: Subscriber) -> bool:
     return sub.stats.replays["completed"] == sub.stats.replays["requested"]
 
 
-def connect(pub: FaultyPublisher, **kw: object) -> Subscriber:
-    sub = Subscriber([pub.endpoint], topic=b"kv", replay_endpoints=[pub.replay_endpoint], **kw)
+def connect(pub: FaultyPublisher, **options: Any) -> Subscriber:
+    sub = Subscriber(
+        [pub.endpoint],
+        topic=b"kv",
+        replay_endpoints=[pub.replay_endpoint],
+        options=SubscriberOptions(**options),
+    )
     pub.wait_for_subscribers()
     return sub
 
@@ -195,9 +202,7 @@ def test_dead_replay_endpoint_never_stalls_the_live_stream():
             [dead.endpoint, healthy.endpoint],
             topic=b"kv",
             replay_endpoints=[dead.replay_endpoint, healthy.replay_endpoint],
-            replay_timeout_s=1.5,
-            replay_cooldown_s=60,
-            catch_up=False,
+            options=SubscriberOptions(replay_timeout_s=1.5, replay_cooldown_s=60, catch_up=False),
         ) as sub,
     ):
         dead.wait_for_subscribers()
@@ -270,8 +275,7 @@ def test_replays_are_bounded_in_concurrency():
         Subscriber(
             [a.endpoint, b.endpoint],
             replay_endpoints=[a.replay_endpoint, b.replay_endpoint],
-            max_concurrent_replays=1,
-            replay_timeout_s=20,
+            options=SubscriberOptions(max_concurrent_replays=1, replay_timeout_s=20),
         ) as sub,
     ):
         a.wait_for_subscribers()
@@ -404,14 +408,14 @@ def test_configuration_errors_are_clear():
     with pytest.raises(ConfigError, match="at least one"):
         Subscriber([])
     with pytest.raises(ConfigError, match="replay_timeout"):
-        Subscriber("tcp://127.0.0.1:1", replay_timeout_s=0)
+        Subscriber("tcp://127.0.0.1:1", options=SubscriberOptions(replay_timeout_s=0))
 
 
 def test_an_unknown_option_name_is_a_type_error():
     """Only the unit-suffixed names exist: a unit-less or misspelt one is refused at once."""
     for name in ("replay_timout", "replay_timeout", "max_message_size", "replay_from_start"):
         with pytest.raises(TypeError, match=name):
-            Subscriber("tcp://127.0.0.1:1", **{name: 1})
+            SubscriberOptions(**{name: 1})
     with pytest.raises(TypeError, match="max_message_size"):
         ZmqSource("tcp://127.0.0.1:1", max_message_size=0)  # type: ignore[call-arg]
 

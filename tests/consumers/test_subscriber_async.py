@@ -12,7 +12,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _zmq_helpers import FaultyPublisher, drain, make_batch
 
-from kvevents.consumers import Anomaly, AsyncSubscriber, ReceivedBatch, Subscriber
+from kvevents.consumers import (
+    Anomaly,
+    AsyncSubscriber,
+    ReceivedBatch,
+    Subscriber,
+    SubscriberOptions,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,9 +40,15 @@ def is_end(item: object) -> bool:
 def test_async_receives_the_same_stream_as_sync():
     with FaultyPublisher(buffer_steps=40) as pub:
         # No start-up catch-up: its timing against the first publish would differ.
-        sync_sub = Subscriber(pub.endpoint, replay_endpoints=[pub.replay_endpoint], catch_up=False)
+        sync_sub = Subscriber(
+            pub.endpoint,
+            replay_endpoints=[pub.replay_endpoint],
+            options=SubscriberOptions(catch_up=False),
+        )
         async_sub = AsyncSubscriber(
-            pub.endpoint, replay_endpoints=[pub.replay_endpoint], catch_up=False
+            pub.endpoint,
+            replay_endpoints=[pub.replay_endpoint],
+            options=SubscriberOptions(catch_up=False),
         )
         try:
             pub.wait_for_subscribers(2)

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _zmq_helpers import make_batch, wait_until
 
-from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber
+from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber, SubscriberOptions
 from kvevents.publishers.zmq_publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.timeout(90)
@@ -128,7 +128,9 @@ def test_late_join_asks_the_ring_once() -> None:
     published while the catch-up request was on its way (the replay's snapshot holds
     them too)."""
     pub = PacedPublisher(total=1_600, ahead=1_000)
-    sub = Subscriber(pub.endpoint, replay_endpoints=[pub.replay], stale_after_s=None)
+    sub = Subscriber(
+        pub.endpoint, replay_endpoints=[pub.replay], options=SubscriberOptions(stale_after_s=None)
+    )
     seqs: list[int] = []
     anomalies: list[Anomaly] = []
     index = BlockIndex()
@@ -169,7 +171,9 @@ def test_reconnect_checks_known_streams_without_the_whole_ring() -> None:
     port = int(pub.endpoint.rsplit(":", 1)[1])
     relay = TcpRelay(("127.0.0.1", port))
     sub = Subscriber(
-        f"tcp://127.0.0.1:{relay.port}", replay_endpoints=[pub.replay], stale_after_s=None
+        f"tcp://127.0.0.1:{relay.port}",
+        replay_endpoints=[pub.replay],
+        options=SubscriberOptions(stale_after_s=None),
     )
     seqs: list[int] = []
     try:

@@ -18,7 +18,13 @@ import pytest
 import zmq
 
 from kvevents.codec import encode_batch, pack_live
-from kvevents.consumers import AsyncSubscriber, ReceivedBatch, Subscriber, ZmqSource
+from kvevents.consumers import (
+    AsyncSubscriber,
+    ReceivedBatch,
+    Subscriber,
+    SubscriberOptions,
+    ZmqSource,
+)
 from kvevents.consumers.source_protocol import SourceMessage
 from kvevents.consumers.subscriber import waiting
 from kvevents.consumers.subscriber.waiting import SourceWaits
@@ -86,7 +92,10 @@ def test_input_left_by_a_read_budget_is_read_without_new_traffic(waiter: str):
     # input behind on a socket whose descriptor will not signal it again.  Nothing more
     # is published: every batch must still arrive.
     pubs = _Publishers(1)
-    sub = Subscriber(pubs.endpoints, catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0)
+    sub = Subscriber(
+        pubs.endpoints,
+        options=SubscriberOptions(catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0),
+    )
     try:
         pubs.await_subscribers()
         for seq in range(200):
@@ -103,7 +112,10 @@ def test_async_subscriber_reads_input_left_by_a_read_budget():
 
     async def run() -> list[tuple[str, int]]:
         sub = AsyncSubscriber(
-            pubs.endpoints, catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0
+            pubs.endpoints,
+            options=SubscriberOptions(
+                catch_up=False, stale_after_s=None, receive_batch=1, rcvhwm=0
+            ),
         )
         try:
             await asyncio.get_running_loop().run_in_executor(None, pubs.await_subscribers)
@@ -134,7 +146,9 @@ def test_async_subscriber_without_a_selector_descriptor_polls_the_sockets():
     pubs = _Publishers(1)
 
     async def run() -> list[int]:
-        sub = AsyncSubscriber(pubs.endpoints, catch_up=False, stale_after_s=None)
+        sub = AsyncSubscriber(
+            pubs.endpoints, options=SubscriberOptions(catch_up=False, stale_after_s=None)
+        )
         sub.subscriber.wait_fd = lambda: None  # type: ignore[method-assign]
         try:
             await asyncio.get_running_loop().run_in_executor(None, pubs.await_subscribers)
@@ -162,7 +176,9 @@ def test_four_hundred_endpoints_open_on_the_default_context():
     # than the process-wide context's 1,023, so the subscriber opens its own.
     n = 400
     pubs = _Publishers(n)
-    sub = Subscriber(pubs.endpoints, catch_up=False, stale_after_s=None, rcvhwm=0)
+    sub = Subscriber(
+        pubs.endpoints, options=SubscriberOptions(catch_up=False, stale_after_s=None, rcvhwm=0)
+    )
     try:
         own = sub._own_context
         assert own is not None and not own.closed
@@ -183,7 +199,7 @@ def test_four_hundred_endpoints_open_on_the_default_context():
 
 def test_a_small_fleet_shares_the_process_wide_context():
     pubs = _Publishers(3)
-    sub = Subscriber(pubs.endpoints, catch_up=False, stale_after_s=None)
+    sub = Subscriber(pubs.endpoints, options=SubscriberOptions(catch_up=False, stale_after_s=None))
     try:
         assert sub._own_context is None
         assert all(
@@ -197,11 +213,11 @@ def test_a_small_fleet_shares_the_process_wide_context():
 _CHILD = textwrap.dedent(
     """
     import json, resource, sys
-    from kvevents.consumers import ReceivedBatch, Subscriber
+    from kvevents.consumers import ReceivedBatch, Subscriber, SubscriberOptions
     endpoints = json.loads(sys.argv[1])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    sub = Subscriber(endpoints, catch_up=False, stale_after_s=None)
+    sub = Subscriber(endpoints, options=SubscriberOptions(catch_up=False, stale_after_s=None))
     raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     print("ready", flush=True)
     seen = set()
@@ -298,7 +314,7 @@ def test_a_wake_up_visits_only_the_sources_with_input(waiter: str):
     n = 50
     pubs = _Publishers(n)
     sources = [_CountingSource(ZmqSource(ep)) for ep in pubs.endpoints]
-    sub = Subscriber(sources, catch_up=False, stale_after_s=None)
+    sub = Subscriber(sources, options=SubscriberOptions(catch_up=False, stale_after_s=None))
     try:
         pubs.await_subscribers()
         # Let every connection's handshake be read (each is a monitor event).
@@ -436,8 +452,7 @@ def test_replay_replies_left_by_a_read_limit_are_read_without_new_traffic(waiter
             pub.endpoint,
             replay_endpoints=pub.replay_endpoint,
             topic=b"kv@limit",
-            receive_batch=1,
-            stale_after_s=None,
+            options=SubscriberOptions(receive_batch=1, stale_after_s=None),
         )
         try:
             seqs: list[int] = []
@@ -463,7 +478,10 @@ def test_a_fleet_backlog_read_a_little_at_a_time_strands_nothing(
     # arrive, each engine's in order.
     pubs = _Publishers(n)
     sub = Subscriber(
-        pubs.endpoints, catch_up=False, stale_after_s=None, receive_batch=budget, rcvhwm=0
+        pubs.endpoints,
+        options=SubscriberOptions(
+            catch_up=False, stale_after_s=None, receive_batch=budget, rcvhwm=0
+        ),
     )
     try:
         pubs.await_subscribers()

@@ -25,7 +25,14 @@ from _ports import free_port_block
 from _zmq_helpers import make_batch, wait_until
 
 from kvevents.codec import encode_batch, pack_live
-from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber, ZmqSource
+from kvevents.consumers import (
+    Anomaly,
+    BlockIndex,
+    ReceivedBatch,
+    Subscriber,
+    SubscriberOptions,
+    ZmqSource,
+)
 from kvevents.publishers.zmq_publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +65,7 @@ def test_forged_frames_among_live_batches_never_reset_or_reach_the_index() -> No
         topic=topic.decode(),
         buffer_steps=10_000,
     )
-    sub = Subscriber([src], stale_after_s=None)
+    sub = Subscriber([src], options=SubscriberOptions(stale_after_s=None))
     ctx = zmq.Context.instance()
     forger = ctx.socket(zmq.PUB)
     forger.setsockopt(zmq.LINGER, 0)

@@ -35,6 +35,7 @@ from kvevents.consumers import (
     ReceivedBatch,
     Router,
     Subscriber,
+    SubscriberOptions,
 )
 from kvevents.consumers.subscriber import worker_source
 from kvevents.publishers.zmq_publisher import ZmqEventPublisher
@@ -143,7 +144,10 @@ def test_sigkilled_publisher_restarted_while_disconnected_is_never_continued(fla
     blocks (a gap 5..8 replayed onto the old state would keep the dead prefix)."""
     port, rport = free_port(), free_port()
     endpoint, replay = f"tcp://*:{port}", f"tcp://127.0.0.1:{rport}"
-    sub_kw: dict[str, Any] = {"replay_endpoints": [replay], "stale_after_s": None}
+    sub_kw: dict[str, Any] = {
+        "replay_endpoints": [replay],
+        "options": SubscriberOptions(stale_after_s=None),
+    }
     if flavour == "sync":
         sub: Any = Subscriber(f"tcp://127.0.0.1:{port}", **sub_kw)
         receive = sub.receive
@@ -298,7 +302,10 @@ def test_backlog_deeper_than_the_ring_with_an_early_gap_invents_nothing():
     n, skipped = 30_000, 5
     with FaultyPublisher(buffer_steps=10_000) as pub:
         sub = Subscriber(
-            pub.endpoint, topic=b"kv", replay_endpoints=[pub.replay_endpoint], rcvhwm=100_000
+            pub.endpoint,
+            topic=b"kv",
+            replay_endpoints=[pub.replay_endpoint],
+            options=SubscriberOptions(rcvhwm=100_000),
         )
         try:
             pub.wait_for_subscribers()
@@ -328,9 +335,7 @@ def test_silent_engine_is_stale_only_when_its_replay_endpoint_is_silent_too():
             [pub.endpoint, quiet.endpoint],
             topic=b"kv",
             replay_endpoints=[pub.replay_endpoint, None],
-            stale_after_s=0.6,
-            replay_timeout_s=0.3,
-            replay_cooldown_s=0,
+            options=SubscriberOptions(stale_after_s=0.6, replay_timeout_s=0.3, replay_cooldown_s=0),
         )
         index = BlockIndex()
         router = Router(index)
@@ -377,9 +382,9 @@ def test_oversize_frame_is_refused_counted_and_the_stream_goes_on():
             pub.endpoint,
             topic=b"kv",
             replay_endpoints=[pub.replay_endpoint],
-            max_message_size_bytes=limit,
-            replay_timeout_s=2,
-            stale_after_s=None,
+            options=SubscriberOptions(
+                max_message_size_bytes=limit, replay_timeout_s=2, stale_after_s=None
+            ),
         )
         try:
             pub.wait_for_subscribers()
@@ -475,7 +480,8 @@ def test_lossy_forwarder_with_a_restart_ends_with_the_reference_index(drop: floa
             fwd.endpoint,
             topic=b"kv",
             replay_endpoints=[pub.replay_endpoint],
-            stale_after_s=0.3,  # a lost tail is fetched by the liveness probe
+            # a lost tail is fetched by the liveness probe
+            options=SubscriberOptions(stale_after_s=0.3),
         )
         try:
             pub.wait_for_subscribers()

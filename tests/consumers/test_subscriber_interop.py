@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _zmq_helpers import drain, make_batch
 
 from kvevents.codec import encode_batch
-from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber
+from kvevents.consumers import Anomaly, ReceivedBatch, Subscriber, SubscriberOptions
 
 publishers = pytest.importorskip("kvevents.publishers.zmq_publisher")
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +34,7 @@ def test_follows_our_publisher_and_catches_up_whatever_the_join_timing():
             loopback(pub.endpoint),
             topic=b"kv@pod",
             replay_endpoints=[loopback(pub.replay_endpoint)],
-            catch_up=True,
+            options=SubscriberOptions(catch_up=True),
         ) as sub:
             # A PUB gives no sign of a subscriber joining: publish until something
             # arrives; whatever the slow joiner missed is caught up through replay.

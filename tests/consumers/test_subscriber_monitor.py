@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvevents.consumers import AsyncSubscriber, Subscriber, ZmqSource
+from kvevents.consumers import AsyncSubscriber, Subscriber, SubscriberOptions, ZmqSource
 from kvevents.consumers.subscriber import waiting
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +77,7 @@ def waiter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 def test_blocking_receive_reads_connection_events_without_traffic(tmp_path: Path, waiter: str):
     pub = _Publisher(f"ipc://{tmp_path}/engine")
-    sub = Subscriber(pub.endpoint, catch_up=False, stale_after_s=None)
+    sub = Subscriber(pub.endpoint, options=SubscriberOptions(catch_up=False, stale_after_s=None))
     try:
         assert _watched(sub)
 
@@ -93,7 +93,7 @@ def test_blocking_receive_reads_connection_events_without_traffic(tmp_path: Path
 def test_step_of_every_source_reads_connection_events(tmp_path: Path):
     # step(None) reads every source without a wait: the monitors are read too.
     pub = _Publisher(f"ipc://{tmp_path}/engine")
-    sub = Subscriber(pub.endpoint, catch_up=False, stale_after_s=None)
+    sub = Subscriber(pub.endpoint, options=SubscriberOptions(catch_up=False, stale_after_s=None))
     (src,) = sub.sources
     assert isinstance(src, ZmqSource)
     mon = src._link.monitor
@@ -115,7 +115,9 @@ def test_async_receive_reads_connection_events_without_traffic(tmp_path: Path, w
     pub = _Publisher(f"ipc://{tmp_path}/engine")
 
     async def run() -> None:
-        sub = AsyncSubscriber(pub.endpoint, catch_up=False, stale_after_s=None)
+        sub = AsyncSubscriber(
+            pub.endpoint, options=SubscriberOptions(catch_up=False, stale_after_s=None)
+        )
         if wait == "zmq.asyncio poller":
             sub.subscriber.wait_fd = lambda: None  # type: ignore[method-assign]
         try:

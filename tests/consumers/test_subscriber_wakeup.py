@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvevents.capture import CaptureWriter
 from kvevents.codec import encode_batch
-from kvevents.consumers import AsyncSubscriber, ReceivedBatch, Subscriber
+from kvevents.consumers import AsyncSubscriber, ReceivedBatch, Subscriber, SubscriberOptions
 from kvevents.consumers.source_protocol import LIVE, SourceMessage
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -47,7 +47,9 @@ def _per_engine(items: list[ReceivedBatch]) -> dict[str, list[int]]:
 
 
 def test_only_the_first_read_of_a_wake_up_is_decoded_before_it_is_taken(tmp_path):
-    with Subscriber(_captures(tmp_path, 4, 30), receive_batch=128) as sub:
+    with Subscriber(
+        _captures(tmp_path, 4, 30), options=SubscriberOptions(receive_batch=128)
+    ) as sub:
         first = sub.receive(5)
         assert isinstance(first, ReceivedBatch)
         # All four files were read in this wake-up; one engine's read was decoded.
@@ -77,7 +79,9 @@ def test_closing_with_reads_held_drops_them(tmp_path):
 def test_a_step_before_the_previous_wake_up_is_taken_loses_nothing(tmp_path):
     """A caller with its own loop may step again early: the reads still held are
     processed first, then the new ones are read."""
-    with Subscriber(_captures(tmp_path, 4, 100), receive_batch=50) as sub:
+    with Subscriber(
+        _captures(tmp_path, 4, 100), options=SubscriberOptions(receive_batch=50)
+    ) as sub:
         got: list[ReceivedBatch] = []
         for _ in range(2):  # two wake-ups, nothing taken in between
             sub.step(None, time.monotonic())
@@ -176,9 +180,7 @@ def _messages(steps: list[tuple[int, int, int, str]]) -> list[SourceMessage]:
 def _outcome(msgs: list[SourceMessage], receive_batch: int) -> tuple[list[object], object]:
     with Subscriber(
         [_ListSource(list(msgs))],
-        receive_batch=receive_batch,
-        catch_up=False,
-        stale_after_s=None,
+        options=SubscriberOptions(receive_batch=receive_batch, catch_up=False, stale_after_s=None),
     ) as sub:
         items = list(sub)
     seen: list[object] = []

@@ -21,7 +21,9 @@ def test_the_index_built_from_the_wire_holds_what_each_engine_holds() -> None:
     with SimCluster(ClusterConfig(num_engines=2, dp_ranks=2, engine=engine)) as cluster:
         assert len({w.endpoint for w in cluster}) == 4  # one publisher per engine and rank
         sub = consumers.Subscriber(
-            cluster.endpoints, replay_endpoints=cluster.replay_endpoints, catch_up=True
+            cluster.endpoints,
+            replay_endpoints=cluster.replay_endpoints,
+            options=consumers.SubscriberOptions(catch_up=True),
         )
         index = consumers.BlockIndex(blocks_per_chunk=4)
         last: dict[tuple[str, int], int] = {}

@@ -29,33 +29,16 @@ class Subscriber(SubscriberCore):
     topic) or ``"<endpoint>#<topic>"`` (the replay endpoint of that topic's engine behind
     a shared endpoint).
 
-    Options: ``catch_up`` (default True) replays every new stream from the oldest seq its
-    publisher holds and asks each replay endpoint for its ring at start;
-    ``replay_timeout_s`` bounds how
-    long a worker's stream may wait on a replay that makes no progress (to start,
-    including queueing, and between two replies); ``max_concurrent_replays`` bounds
-    replays in flight over all sources; ``replay_cooldown_s`` is how long a replay
-    endpoint that timed out is not asked again; ``stale_after_s`` (default
-    :data:`~kvevents.consumers.subscriber.DEFAULT_STALE_AFTER_S`; None: never) is the
-    liveness bound; ``decoder`` is a :class:`~kvevents.codec.BatchDecoder` to use (its
-    stats count skipped events); ``history`` and ``max_pending`` (counts of batches) are
-    passed to each :class:`~kvevents.seqtrack.StreamTracker`; ``rcvhwm`` is the
-    SUB high-water mark (messages); ``max_message_size_bytes`` (default 64 MiB; None:
-    unlimited) the ``ZMQ_MAXMSGSIZE`` of every socket; ``curve`` a
-    :class:`~kvevents.security.CurveClientConfig` for publishers that require CURVE;
-    ``max_replay_batches`` bounds one replay's replies (a reply stream that never ends
-    is abandoned and its holes reported); ``receive_batch`` (default 128) the most
-    messages read from one source per wake-up (a read of a ZMQ source also stops after
-    64 KiB of payloads; once a wake-up's read has yielded an item, its later reads are
-    held raw and decoded when the application has taken the items before them);
-    ``inband_window`` how many live records of a capture may follow a gap before the
-    recorded replay answering it is given up (the gap is then reported lost);
+    ``options``: the settings, a :class:`~kvevents.consumers.subscriber.SubscriberOptions`
+    (default: every default; each field says what it does).  ``decoder`` is a
+    :class:`~kvevents.codec.BatchDecoder` to use (its stats count skipped events);
     ``context`` the ZMQ context to open sockets in (default: the process-wide one; a
-    fleet that would take more than half of its 1,023 sockets gets a context of its
-    own, closed with the subscriber).  The soft open-file limit is raised, up to
-    the hard one, when about four descriptors per connection would not fit.  A wait
-    costs the same whatever the number of sources: their sockets are registered once
-    with the platform's selector.  Durations are seconds.
+    fleet that would take more than half of its 1,023 sockets gets a context of its own,
+    closed with the subscriber); ``curve`` a :class:`~kvevents.security.CurveClientConfig`
+    for publishers that require CURVE.  The soft open-file limit is raised, up to the
+    hard one, when about four descriptors per connection would not fit.  A wait costs the
+    same whatever the number of sources: their sockets are registered once with the
+    platform's selector.
     """
 
     def receive(self, timeout: float | None = None) -> SubscriberItem | None:

@@ -35,7 +35,6 @@ from kvevents.consumers.subscriber.capacity import ensure_open_files, fleet_cont
 from kvevents.consumers.subscriber.inband import InbandReplays
 from kvevents.consumers.subscriber.items import (
     BAD_FRAME_KIND,
-    DEFAULT_STALE_AFTER_S,
     Anomaly,
     SubscriberItem,
     SubscriberStats,
@@ -54,7 +53,6 @@ from kvevents.consumers.subscriber.replies import ReplyRouter
 from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey, fingerprint
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
-from kvevents.consumers.zmq_source import DEFAULT_MAX_MESSAGE_SIZE_BYTES
 from kvevents.errors import ConfigError, DecodeError
 from kvevents.events import KVEventBatch
 from kvevents.ratelimit import RateLimitedLog
@@ -92,7 +90,8 @@ class SubscriberCore:
       sockets itself;
     * :meth:`finished` / :attr:`closed` / :meth:`close`.
 
-    Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`.
+    Arguments: see :class:`~kvevents.consumers.subscriber.Subscriber`; every setting is
+    a field of :class:`~kvevents.consumers.subscriber.SubscriberOptions`.
     """
 
     def __init__(
@@ -101,45 +100,14 @@ class SubscriberCore:
         topic: bytes | str = b"",
         replay_endpoints: ReplaySpec = None,
         *,
-        catch_up: bool = True,
-        replay_timeout_s: float = 5.0,
-        max_concurrent_replays: int = 4,
-        replay_cooldown_s: float = 10.0,
-        stale_after_s: float | None = DEFAULT_STALE_AFTER_S,
+        options: SubscriberOptions | None = None,
         decoder: BatchDecoder | None = None,
         context: zmq.Context[Any] | None = None,
-        history: int = 4096,
-        max_pending: int = 100_000,
-        rcvhwm: int = 100_000,
-        max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES,
         curve: CurveClientConfig | None = None,
-        max_replay_batches: int = 1_000_000,
-        receive_batch: int = 128,
-        inband_window: int = 1024,
     ) -> None:
         self._closed = True  # until the sources are open
-        settings: dict[str, Any] = {
-            "catch_up": catch_up,
-            "replay_timeout_s": replay_timeout_s,
-            "max_concurrent_replays": max_concurrent_replays,
-            "replay_cooldown_s": replay_cooldown_s,
-            "stale_after_s": stale_after_s,
-            "history": history,
-            "max_pending": max_pending,
-            "rcvhwm": rcvhwm,
-            "max_message_size_bytes": max_message_size_bytes,
-            "max_replay_batches": max_replay_batches,
-            "receive_batch": receive_batch,
-            "inband_window": inband_window,
-        }
-        self.options = options = SubscriberOptions(**settings)
-        """The checked settings (read-only: the rooms were built from them)."""
-        self.catch_up = options.catch_up
-        self.stale_after_s = options.stale_after_s
-        self.replay_timeout_s = options.replay_timeout_s
-        self.replay_cooldown_s = options.replay_cooldown_s
-        self.max_concurrent_replays = options.max_concurrent_replays
-        self.max_replay_batches = options.max_replay_batches
+        self.options = options = options if options is not None else SubscriberOptions()
+        """The settings (read-only: the rooms were built from them)."""
         if isinstance(topic, str):
             topic = topic.encode()
         links = zmq_links(endpoints, replay_endpoints)
@@ -595,6 +563,6 @@ class SubscriberCore:
         elif kind == DISCONNECTED:
             self._replies.disconnected(src)
         elif kind == CONNECTED:
-            self._replies.connected(src, now, catch_up=self.catch_up)
+            self._replies.connected(src, now, catch_up=self.options.catch_up)
         elif kind == REPLAY_DISCONNECTED:
             self._replies.replay_disconnected(src, msg.channel, now)

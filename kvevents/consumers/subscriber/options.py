@@ -38,23 +38,49 @@ ReplaySpec = Union[Sequence[Union[str, None]], Mapping[str, str], None]
 
 @dataclass(frozen=True)
 class SubscriberOptions:
-    """Every setting of a subscriber, checked on construction (a bad value raises
-    :class:`~kvevents.errors.ConfigError`).  See
-    :class:`~kvevents.consumers.subscriber.Subscriber` for what each one does; durations
-    are seconds, sizes bytes, the other bounds counts."""
+    """Every setting of a subscriber, in one place: its name, default, unit and meaning
+    (durations are seconds, sizes bytes, the other bounds counts).  Checked on
+    construction: a bad value raises :class:`~kvevents.errors.ConfigError`, an unknown
+    name :class:`TypeError`.  Pass one as ``options=`` to
+    :class:`~kvevents.consumers.subscriber.Subscriber` or
+    :class:`~kvevents.consumers.aio.AsyncSubscriber`; the rooms are built from it, so it
+    is read-only."""
 
     catch_up: bool = True
+    """Replay every new stream from the oldest seq its publisher holds, and ask each
+    replay endpoint for its whole ring when the subscriber starts (or, for a source that
+    reports connections, when its live socket connects)."""
     replay_timeout_s: float = 5.0
+    """How long a worker's stream may wait on a replay that makes no progress: to start
+    (queueing included) and between two replies.  > 0."""
     max_concurrent_replays: int = 4
+    """Replay requests in flight at once, over all sources.  >= 1."""
     replay_cooldown_s: float = 10.0
+    """How long a replay endpoint that timed out is not asked again.  >= 0."""
     stale_after_s: float | None = DEFAULT_STALE_AFTER_S
+    """The liveness bound: a worker with a replay endpoint that sent neither a batch nor a
+    replay answer for this long is reported stale (None: never).  > 0."""
     history: int = 4096
+    """Batches of each stream whose fingerprints are kept to tell a duplicate from a
+    restart (:class:`~kvevents.seqtrack.StreamTracker`'s ``history``)."""
     max_pending: int = 100_000
+    """Batches a stream may hold back behind a gap being replayed
+    (:class:`~kvevents.seqtrack.StreamTracker`'s ``max_pending``)."""
     rcvhwm: int = 100_000
+    """The SUB socket's receive high-water mark (messages; 0: unlimited)."""
     max_message_size_bytes: int | None = DEFAULT_MAX_MESSAGE_SIZE_BYTES
+    """``ZMQ_MAXMSGSIZE`` of every socket (default 64 MiB; None: unlimited): ZMQ drops a
+    connection that sends a larger frame, which is counted and redialled."""
     max_replay_batches: int = 1_000_000
+    """Replies one replay may bring: a reply stream that never ends is abandoned and its
+    holes reported."""
     receive_batch: int = 128
+    """The most messages read from one source per wake-up (a read of a ZMQ source also
+    stops after 64 KiB of payloads).  Once a wake-up's read has yielded an item, its
+    later reads are held raw and decoded when the items before them are taken."""
     inband_window: int = 1024
+    """Live records of a capture that may follow a gap before the recorded replay
+    answering it is given up (the gap is then reported lost)."""
 
     def __post_init__(self) -> None:
         if self.replay_timeout_s <= 0 or self.max_concurrent_replays < 1:
