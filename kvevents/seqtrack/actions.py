@@ -80,7 +80,8 @@ class Drop:
 @dataclass(frozen=True, slots=True)
 class StartReplay:
     """Request a replay of every buffered seq ``>= start``.  Replies and the end marker
-    are passed back with ``replay_id``; a newer request supersedes an older one."""
+    are passed back with ``replay_id``; a newer request supersedes an older one.  A
+    tracker call answers at most one, as its last action."""
 
     start: int
     replay_id: int

@@ -458,6 +458,9 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
         return deque(s for s in seqs if s >= start)
 
     def apply(actions: list[Any], ring_seqs: set[int] | None = None) -> None:
+        # (the subscriber's outbox schedules a request after the other actions)
+        starts = [i for i, a in enumerate(actions) if isinstance(a, StartReplay)]
+        assert starts in ([], [len(actions) - 1]), f"a request not last: {kinds(actions)}"
         for a in actions:
             out.append(a)
             if isinstance(a, StartReplay):

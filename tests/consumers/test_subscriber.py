@@ -110,7 +110,7 @@ def test_live_traffic_during_a_replay_is_merged_in_order():
         items = drain(sub, lambda it: len(pub.requests) == 1 and len(it) >= 3)
         # While the replay is held, more live traffic arrives and must be buffered.
         sent += pub.publish_many(make_batch(i) for i in range(10, 20))
-        items += drain(sub, lambda it: sub._streams[(pub.source, 0)].tracker.pending == 17, 5)
+        items += drain(sub, lambda it: sub._table.streams[(pub.source, 0)].tracker.pending == 17, 5)
         assert batches_of(items)[-1].seq == 1
         pub.release.set()
         items += drain(sub, lambda it: got_seq(19)(it) and sub.stats.replays["completed"] == 1)

@@ -544,7 +544,9 @@ def test_forged_batch_does_not_reset_a_worker():
             pub.send_frames(pack_live(pub.topic, 2, encode_batch(make_batch(99, tag=7))))
             pub.publish_many(make_batch(i) for i in range(5, 8))
             items += drain(sub, lambda it: any(getattr(x, "seq", -1) == 7 for x in it))
-            items += drain(sub, lambda it: not sub._streams[(pub.source, 0)].tracker.replaying)
+            items += drain(
+                sub, lambda it: not sub._table.streams[(pub.source, 0)].tracker.replaying
+            )
         finally:
             sub.close()
     assert [b.seq for b in batches_of(items)] == list(range(8))

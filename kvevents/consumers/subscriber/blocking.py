@@ -1,12 +1,11 @@
-"""The blocking subscriber: :class:`Subscriber` waits for input with
-:meth:`SubscriberCore.select` and runs the loop of :meth:`SubscriberCore.receiving`.
+"""The blocking subscriber: :class:`Subscriber` runs the receive loop of
+:meth:`SubscriberCore.receiving`, waiting for input with :meth:`SubscriberCore.select`.
 
 One job: the blocking wait.  May import the subscriber's core and options.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -46,34 +45,20 @@ class Subscriber(SubscriberCore):
         ever).  Returns None on timeout, after :meth:`close`, or when every source is
         exhausted (capture files read to the end) and nothing is left.
 
-        This is :meth:`~SubscriberCore.receiving`'s loop with the wait in place of its
-        yields: driving the generator (a ``send`` and a ``StopIteration`` a wake-up) cost
-        about 3 % of a wake-up's instructions, measured)."""
-        out = self._out
-        if out:  # the common case: processed and waiting
-            return out.popleft()
-        if self._wake is not None:  # the next of a wake-up's reads
-            self._advance()
-            if out:
-                return out.popleft()
+        The next item already read is returned at once; otherwise this runs
+        :meth:`~SubscriberCore.receiving`'s loop, waiting with :meth:`select`."""
+        item = self.take()  # the common case: processed and waiting
+        if item is not None:
+            return item
         select = self._waits.select
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._closed or self.finished():
-                return None
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                ready = select(0.0)
-                if self._closed:
-                    return None
-                self.step(ready, now)
-                return self.take()
-            ready = select(self.wait_seconds(now, deadline))
-            if self._closed:
-                return None
-            self.step(ready, time.monotonic())
-            if out:
-                return out.popleft()
+        loop = self.receiving(timeout)
+        try:
+            wait = next(loop)
+            while True:
+                wait = loop.send(select(wait))
+        except StopIteration as done:
+            result: SubscriberItem | None = done.value
+            return result
 
     def __iter__(self) -> Iterator[SubscriberItem]:
         """Yield batches and anomalies until :meth:`close` (or the end of every source)."""

@@ -54,7 +54,6 @@ from kvevents.consumers.subscriber.streams import HeldBatch, StreamKey, fingerpr
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.consumers.subscriber.waiting import SourceWaits
 from kvevents.errors import ConfigError, DecodeError
-from kvevents.events import KVEventBatch
 from kvevents.ratelimit import RateLimitedLog
 from kvevents.security import CurveClientConfig
 from kvevents.seqtrack import StreamTracker
@@ -62,11 +61,6 @@ from kvevents.seqtrack import StreamTracker
 __all__ = ["SubscriberCore"]
 
 logger = logging.getLogger("kvevents.consumers.subscriber")
-
-
-_Run = tuple[str, bytes, int, StreamKey, StreamTracker[HeldBatch]]
-"""A stream that a read just delivered to in order: the message's origin (as sent), topic
-and rank, the stream's key and its tracker."""
 
 
 def _earlier(wait: float | None, w: float | None) -> float | None:
@@ -129,8 +123,6 @@ class SubscriberCore:
         self.stats = SubscriberStats()
         self.decoder = decoder if decoder is not None else BatchDecoder()
         outbox = self._outbox = Outbox(self.stats, RateLimitedLog(logger))
-        self._out = outbox.items
-        self._apply = outbox.apply
         table = self._table = StreamTable(
             outbox,
             self.decoder,
@@ -138,10 +130,7 @@ class SubscriberCore:
             history=options.history,
             max_pending=options.max_pending,
         )
-        self._streams = table.streams
-        self._names = table.names
-        self._decode = self.decoder.decode
-        self._inband = InbandReplays(self._streams, outbox, options.inband_window)
+        self._inband = InbandReplays(table.streams, outbox, options.inband_window)
         self._replays = ReplayScheduler(
             self._sources,
             table,
@@ -152,14 +141,11 @@ class SubscriberCore:
             replay_cooldown_s=options.replay_cooldown_s,
             max_replay_batches=options.max_replay_batches,
         )
-        outbox.schedule = self._replays.schedule
         # The rooms refer to each other, never to this object: dropping the last
         # reference to a subscriber closes it at once (``__del__``).
         probe = functools.partial(self._replays.schedule, probe=True)
-        self._liveness = Liveness(self._streams, outbox, options.stale_after_s, probe)
-        self._resumed_after_silence = self._liveness.resumed_after_silence
+        self._liveness = Liveness(table.streams, outbox, options.stale_after_s, probe)
         self._replies = ReplyRouter(table, outbox, self._liveness, self._replays)
-        self._last_topic = self._replies.last_topic
         self._batch = options.receive_batch
         self._waits = SourceWaits(self._sources)
         self._reads: deque[tuple[Source, list[SourceMessage]]] = deque()
@@ -187,7 +173,7 @@ class SubscriberCore:
     @property
     def stale_workers(self) -> list[tuple[str, int]]:
         """The workers currently stale (see the package docstring), sorted."""
-        return sorted(k for k, s in self._streams.items() if s.stale)
+        return sorted(k for k, s in self._table.streams.items() if s.stale)
 
     def resume(
         self, source: str, dp_rank: int, seq: int, fingerprint: int, topic: bytes | str = b""
@@ -233,7 +219,7 @@ class SubscriberCore:
         Reads copies of the subscriber's tables, so a scrape thread may call it."""
         now = time.time() if now is None else now
         last = dict(self._outbox.last_delivery)
-        streams = list(self._streams.items())
+        streams = list(self._table.streams.items())
         held = 0
         lag = 0.0
         for key, st in streams:
@@ -252,7 +238,7 @@ class SubscriberCore:
     def take(self) -> SubscriberItem | None:
         """The next batch or anomaly already read, or None (a wake-up's reads not yet
         processed are processed up to the next item)."""
-        out = self._out
+        out = self._outbox.items
         if not out and self._wake is not None:
             self._advance()
         return out.popleft() if out else None
@@ -262,7 +248,7 @@ class SubscriberCore:
         for src in self._sources:  # (a loop, not all() over a generator: once a wake-up)
             if not src.exhausted:
                 return False
-        return self._inband.idle and not self._out and self._wake is None
+        return self._inband.idle and not self._outbox.items and self._wake is None
 
     def receiving(
         self, timeout_s: float | None
@@ -273,10 +259,10 @@ class SubscriberCore:
 
         Until then it yields how long to wait (seconds; None: until input; 0.0: do not
         wait, just let others run) and is sent the sources with input after that wait:
-        :meth:`select`'s answer.  Call it when :meth:`take` found nothing.  The
-        asyncio subscriber drives it; :meth:`Subscriber.receive` runs the same loop
-        inline (keep the two alike)."""
-        out = self._out
+        :meth:`select`'s answer.  Call it when :meth:`take` found nothing.  The one
+        receive loop: the blocking subscriber drives it with :meth:`select`, the asyncio
+        one with its event loop's wait."""
+        out = self._outbox.items
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if not out and self._wake is not None:
@@ -355,12 +341,12 @@ class SubscriberCore:
             self._advance(everything=True)
         batch = self._batch
         reads = self._reads
-        out = self._out
+        out = self._outbox.items
         sources = self._waits.everything() if ready is None else list(ready)
         for src in sources:
             msgs = src.receive(batch)
             if not out:
-                self._take_read(src, msgs, now)
+                self._read(src, msgs, now)
             elif msgs or src.replay_inband:  # (an item is out: hold the rest raw)
                 reads.append((src, msgs))
         if reads:
@@ -376,40 +362,15 @@ class SubscriberCore:
         if wake is None:
             return
         reads = self._reads
-        out = self._out
+        out = self._outbox.items
         now = wake[1]
         while reads:
             src, msgs = reads.popleft()
-            self._take_read(src, msgs, now)
+            self._read(src, msgs, now)
             if out and reads and not everything:
                 return
         self._wake = None
         self._duties(wake[0], now)
-
-    def _take_read(self, src: Source, msgs: list[SourceMessage], now: float) -> None:
-        """Process one read of ``src``, made at ``now``."""
-        replays = self._replays
-        if replays.cut_channels:
-            replays.new_read()
-        # Read once per read, not per message: a source's replay kind and name do not
-        # change.
-        if src.replay_inband:
-            name = src.name
-            for msg in msgs:
-                if msg.kind == LIVE:
-                    self._live(src, name, True, msg, now)
-                else:
-                    self._process(src, msg, now)
-            if src.exhausted:
-                self._inband.end(src, everything=True)
-        elif len(msgs) == 1:  # a live engine's usual read
-            msg = msgs[0]
-            if msg.kind == LIVE:
-                self._live(src, src.name, False, msg, now)
-            else:
-                self._process(src, msg, now)
-        elif msgs:
-            self._read(src, msgs, now)
 
     def _duties(self, sources: list[Source], now: float) -> None:
         """After a wake-up's reads of ``sources`` are processed: replay deadlines,
@@ -460,94 +421,77 @@ class SubscriberCore:
 
     # --- message routing --------------------------------------------------------------
     def _read(self, src: Source, msgs: list[SourceMessage], now: float) -> None:
-        """The messages of one read of ``src``, a source without in-band replay, read at
-        ``now``.  A live batch that follows one delivered in order on the same stream
-        (same origin, topic and rank) and is itself next in order is decoded,
-        fingerprinted and delivered, nothing more: :meth:`_live` found that stream, ended
-        its silence and marked it heard at the same ``now`` for the batch before."""
+        """Every message of one read of ``src``, made at ``now``, in order: the one live
+        path, and the other kinds routed by :meth:`_process`.
+
+        A live batch is decoded and fingerprinted, its stream found (the first batch of a
+        stream starts it), a silence it ends is checked, the stream is marked heard and
+        revived if stale, and the batch is handed to the stream's tracker: the usual
+        batch, next in order, is delivered without building actions.  A batch that
+        follows one delivered in order on the same stream (same origin, topic and rank)
+        in the same read skips the stream's lookup, silence check and marking: they were
+        done at this same ``now`` for the batch before.  A capture's record (a source
+        with in-band replay) is offered to its in-band replay first, and is never such a
+        follower (each record may answer a recorded replay)."""
+        replays = self._replays
+        if replays.cut_channels:
+            replays.new_read()
         name = src.name
-        decode = self._decode
+        inband = src.replay_inband
+        decode = self.decoder.decode
         deliver = self._outbox.deliver
-        live = self._live
-        run: _Run | None = None
+        table = self._table
+        # the stream of the last batch delivered in order: origin (as sent), topic, rank,
+        # key and tracker
+        run: tuple[str, bytes, int, StreamKey, StreamTracker[HeldBatch]] | None = None
         for msg in msgs:
             if msg.kind != LIVE:
                 self._process(src, msg, now)
                 run = None
                 continue
-            if run is None or msg.topic != run[1] or msg.origin != run[0]:
-                run = live(src, name, False, msg, now)
-                continue
             payload = msg.payload
             try:
                 decoded = decode(payload)
             except DecodeError as exc:
-                self._table.undecodable(msg.origin or name, msg, exc)
+                table.undecodable(msg.origin or name, msg, exc)
                 continue
-            if (decoded.data_parallel_rank or 0) == run[2]:
-                seq = msg.seq
-                fp = fingerprint(payload)
-                if run[4].live_in_order(seq, fp):
-                    deliver(run[3], seq, decoded, msg.replayed, msg.topic, payload, msg.recv_ts)
-                    continue
-            run = live(src, name, False, msg, now, decoded)
-
-    def _live(
-        self,
-        src: Source,
-        name: str,
-        inband: bool,
-        msg: SourceMessage,
-        now: float,
-        decoded: KVEventBatch | None = None,
-    ) -> _Run | None:
-        """A :data:`LIVE` message of ``src`` (whose ``name`` and ``replay_inband`` are
-        given): decode it (unless ``decoded`` is given), find its stream and hand it to
-        the stream's tracker.  Returns the message's origin (as sent), topic and rank,
-        its stream's key and tracker when it was delivered in order on the live path,
-        else None."""
-        origin = msg.origin or name
-        topic = msg.topic
-        payload = msg.payload
-        table = self._table
-        if decoded is None:
-            try:
-                decoded = self._decode(payload)
-            except DecodeError as exc:
-                table.undecodable(origin, msg, exc)
-                return None
-        self._last_topic[name] = topic
-        source = self._names.get((origin, topic))
-        if source is None:
-            source = table.worker_source(origin, topic)
-        rank = decoded.data_parallel_rank or 0
-        key = (source, rank)
-        st = self._streams.get(key) or table.open(key, src, topic, now)
-        tracker = st.tracker
-        fp = fingerprint(payload)
-        if inband:
+            topic = msg.topic
+            rank = decoded.data_parallel_rank or 0
+            fp = fingerprint(payload)
+            if run is not None and rank == run[2] and topic == run[1] and msg.origin == run[0]:
+                key = run[3]
+                tracker = run[4]
+            else:
+                run = None
+                st = table.live_stream(src, msg.origin or name, topic, rank, now)
+                key = st.key
+                tracker = st.tracker
+                if inband:
+                    item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
+                    if self._inband.live(key, tracker, msg, item, fp):
+                        continue
+                elif self._liveness.resumed_after_silence(st, now):
+                    replays.apply(key, tracker.verify())
+                st.heard = st.live_at = now
+                if st.stale:
+                    self._liveness.revive(st)
+            seq = msg.seq
+            if tracker.live_in_order(seq, fp):  # the usual batch: no actions to build
+                deliver(key, seq, decoded, msg.replayed, topic, payload, msg.recv_ts)
+                if run is None and not inband:
+                    run = (msg.origin, topic, rank, key, tracker)
+                continue
+            run = None
             item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
-            if self._inband.live(key, tracker, msg, item, fp):
-                return None
-        elif self._resumed_after_silence(st, now):
-            self._apply(key, tracker.verify())
-        st.heard = st.live_at = now
-        if st.stale:
-            self._liveness.revive(st)
-        seq = msg.seq
-        if tracker.live_in_order(seq, fp):  # the usual batch: no actions to build
-            self._outbox.deliver(key, seq, decoded, msg.replayed, topic, payload, msg.recv_ts)
-            return None if inband else (msg.origin, topic, rank, key, tracker)
-        item = HeldBatch(topic, payload, decoded, msg.recv_ts, msg.replayed)
-        self._apply(key, tracker.live(seq, item, fp))
-        return None
+            replays.apply(key, tracker.live(seq, item, fp))
+        if inband and src.exhausted:
+            self._inband.end(src, everything=True)
 
     def _process(self, src: Source, msg: SourceMessage, now: float) -> None:
+        """A message of ``src`` that is not a live batch, read at ``now``."""
         kind = msg.kind
         origin = msg.origin or src.name
-        if kind == LIVE:
-            self._live(src, src.name, src.replay_inband, msg, now)
-        elif kind == REPLAY:
+        if kind == REPLAY:
             self._replies.reply(src, msg, origin, now)
         elif kind == REPLAY_END:
             if src.replay_inband:

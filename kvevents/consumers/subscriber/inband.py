@@ -1,7 +1,8 @@
 """Replays answered in band: a capture file cannot be asked for a replay, but the
 replayed records it holds after a gap are the replay that answered it.
 
-One job: :class:`InbandReplays`.  A recorded replay ends at a recorded end marker, at the
+One job: :class:`InbandReplays`.  The replays its streams' trackers ask for are awaited
+here too (a capture's streams are replayed in band only).  A recorded replay ends at a recorded end marker, at the
 first live record after a reply, or when no reply came within ``inband_window`` live
 records (the gap was never repaired, and is reported lost).  May import the subscriber's
 tables and outbox.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from kvevents.consumers.source_protocol import Source, SourceMessage
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import HeldBatch, ReplayJob, Stream, StreamKey
-from kvevents.seqtrack import StartReplay, StreamTracker
+from kvevents.seqtrack import StartReplay, StreamTracker, TrackerAction
 
 __all__ = ["InbandReplays"]
 
@@ -56,7 +57,7 @@ class InbandReplays:
         if job is not None:
             if msg.replayed:
                 job.replies += 1
-                self.outbox.apply(key, tracker.replayed(job.replay_id, msg.seq, item, fingerprint))
+                self._apply(key, tracker.replayed(job.replay_id, msg.seq, item, fingerprint))
                 return True
             job.waited += 1
             if job.replies or job.waited > self.inband_window:
@@ -72,9 +73,9 @@ class InbandReplays:
         del self.jobs[key]
         tracker = self.streams[key].tracker
         if job.replies or marker:
-            self.outbox.apply(key, tracker.replay_end(job.replay_id))
+            self._apply(key, tracker.replay_end(job.replay_id))
         else:  # a recording without the replay that answered: nothing to check it by
-            self.outbox.apply(key, tracker.replay_failed(job.replay_id, "not in the capture"))
+            self._apply(key, tracker.replay_failed(job.replay_id, "not in the capture"))
 
     def end(self, src: Source, *, everything: bool, origin: str = "") -> None:
         """A recorded end marker of ``origin`` (or, with ``everything``, the end of the
@@ -90,7 +91,14 @@ class InbandReplays:
             for key, job in list(self.jobs.items()):
                 if self.streams[key].src is src:
                     del self.jobs[key]
-                    self.outbox.apply(
+                    self._apply(
                         key,
                         self.streams[key].tracker.replay_failed(job.replay_id, "capture ended"),
                     )
+
+    def _apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
+        """Carry out ``actions`` of stream ``key``'s tracker; the replay they ask for is
+        awaited in band (what the replay scheduler does for a capture's stream)."""
+        request = self.outbox.apply(key, actions)
+        if request is not None:
+            self.start(key, self.streams[key], request)

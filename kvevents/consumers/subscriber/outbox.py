@@ -3,8 +3,9 @@
 :class:`~kvevents.consumers.subscriber.ReceivedBatch` and
 :class:`~kvevents.consumers.subscriber.Anomaly` values, in order, and counts them.
 
-One job: actions in, items and counters out.  A :class:`StartReplay` action is handed to
-the replay room through the ``schedule`` hook.  May import the subscriber's items and
+One job: actions in, items and counters out.  A :class:`StartReplay` action is returned
+to the caller, who schedules it (the replay room's
+:meth:`~kvevents.consumers.subscriber.replay.ReplayScheduler.apply`).  May import the subscriber's items and
 tables, :mod:`kvevents.seqtrack`, :mod:`kvevents.events` and
 :mod:`kvevents.ratelimit`.
 """
@@ -12,7 +13,6 @@ tables, :mod:`kvevents.seqtrack`, :mod:`kvevents.events` and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from kvevents.consumers.subscriber.items import (
     Anomaly,
@@ -35,30 +35,21 @@ from kvevents.seqtrack import (
     TrackerAction,
 )
 
-__all__ = ["Outbox", "ScheduleHook"]
-
-ScheduleHook = Callable[[StreamKey, StartReplay], None]
-"""Called for each :class:`StartReplay` action, in action order."""
-
-
-def _no_schedule(key: StreamKey, req: StartReplay) -> None:  # pragma: no cover - replaced
-    raise RuntimeError("Outbox.schedule is not connected to a replay scheduler")
+__all__ = ["Outbox"]
 
 
 class Outbox:
     """The items ready to be taken (:attr:`items`, oldest first) and the counters
     (:attr:`stats`).  :attr:`last_delivery` maps each stream to the wall-clock receive
-    time of its last delivered batch.  :attr:`schedule` must be set by the owner before
-    the first :meth:`apply` that may start a replay."""
+    time of its last delivered batch."""
 
-    __slots__ = ("items", "last_delivery", "log", "schedule", "stats")
+    __slots__ = ("items", "last_delivery", "log", "stats")
 
     def __init__(self, stats: SubscriberStats, log: RateLimitedLog) -> None:
         self.stats = stats
         self.log = log
         self.items: deque[SubscriberItem] = deque()
         self.last_delivery: dict[StreamKey, float] = {}
-        self.schedule: ScheduleHook = _no_schedule
 
     def emit(self, anomaly: Anomaly) -> None:
         """Count ``anomaly`` and queue it."""
@@ -88,12 +79,15 @@ class Outbox:
             received_batch(key[0], key[1], seq, batch, replayed, topic, payload, recv_ts)
         )
 
-    def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
+    def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> StartReplay | None:
         """Carry out ``actions`` of stream ``key``'s tracker in order: deliver batches,
-        report anomalies (logging the ones that need attention), count drops and hand
-        replay requests to :attr:`schedule`."""
+        report anomalies (logging the ones that need attention) and count drops.  Returns
+        the replay request among them, for the caller to schedule (None: none).  A
+        tracker asks for at most one replay per call, as its last action, so scheduling
+        it after the others keeps the actions' order."""
         source, rank = key
         stats = self.stats
+        request = None
         for act in actions:
             if isinstance(act, Deliver):
                 it = act.item
@@ -129,4 +123,5 @@ class Outbox:
             elif isinstance(act, Drop):
                 stats.dropped[act.reason] += 1
             elif isinstance(act, StartReplay):
-                self.schedule(key, act)
+                request = act
+        return request

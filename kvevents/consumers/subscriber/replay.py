@@ -22,6 +22,7 @@ from kvevents.consumers.subscriber.items import REPLAY_TIMEOUT, Anomaly
 from kvevents.consumers.subscriber.outbox import Outbox
 from kvevents.consumers.subscriber.streams import (
     ChannelKey,
+    HeldBatch,
     ReplayJob,
     StreamKey,
     cancel_replay,
@@ -30,7 +31,7 @@ from kvevents.consumers.subscriber.streams import (
 )
 from kvevents.consumers.subscriber.table import StreamTable
 from kvevents.errors import KVEventsError
-from kvevents.seqtrack import StartReplay
+from kvevents.seqtrack import StartReplay, TrackerAction
 
 __all__ = ["RESENDS", "ReplayScheduler"]
 
@@ -97,6 +98,13 @@ class ReplayScheduler:
         return min(deadlines) - now if deadlines else None
 
     # --- requests -------------------------------------------------------------------
+    def apply(self, key: StreamKey, actions: list[TrackerAction[HeldBatch]]) -> None:
+        """Carry out ``actions`` of stream ``key``'s tracker: the outbox turns them into
+        items, and the replay they ask for (if any) is scheduled after them."""
+        request = self.outbox.apply(key, actions)
+        if request is not None:
+            self.schedule(key, request)
+
     def schedule(self, key: StreamKey, req: StartReplay, *, probe: bool = False) -> None:
         """Queue ``req`` of stream ``key`` (``probe``: a liveness probe, whose timeout
         is not reported), or fail it at once when it cannot be made."""
@@ -109,13 +117,13 @@ class ReplayScheduler:
             return
         if st.channel is None:
             self.outbox.stats.replays["unavailable"] += 1
-            self.outbox.apply(key, tracker.replay_failed(req.replay_id, "no replay endpoint"))
+            self.apply(key, tracker.replay_failed(req.replay_id, "no replay endpoint"))
             return
         ck = (src.name, st.channel)
         if now < self._cooldown_until.get(ck, 0.0):
             self.outbox.stats.replays["cooldown"] += 1
             detail = "replay endpoint timed out recently (cooldown)"
-            self.outbox.apply(key, tracker.replay_failed(req.replay_id, detail))
+            self.apply(key, tracker.replay_failed(req.replay_id, detail))
             return
         queue = self.queues.setdefault(ck, deque())
         if (
@@ -346,7 +354,7 @@ class ReplayScheduler:
     def _fail_job(self, job: ReplayJob, detail: str, *, conclusive: bool = True) -> None:
         for key, replay_id in job.streams():
             tracker = self.streams[key].tracker
-            self.outbox.apply(key, tracker.replay_failed(replay_id, detail, conclusive=conclusive))
+            self.apply(key, tracker.replay_failed(replay_id, detail, conclusive=conclusive))
 
     def _cut(self, src: Source, ck: ChannelKey, topic: bytes) -> None:
         """Close ``ck``'s DEALER; replies of it already read in this batch are stale."""

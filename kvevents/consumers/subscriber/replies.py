@@ -36,9 +36,6 @@ class ReplyRouter:
         self.outbox = outbox
         self.liveness = liveness
         self.scheduler = scheduler
-        self.last_topic: dict[str, bytes] = {}
-        """Each source's last live topic (tags replies that carry none); the caller
-        updates it on every live batch."""
         self.dropped: set[str] = set()
         """Sources whose live connection dropped and has not come back."""
 
@@ -66,9 +63,7 @@ class ReplyRouter:
             return
         # A reply without a topic frame (vLLM before 0.26) on a channel serving any
         # topic: the stream it answers, else the source's last live topic.
-        topic = msg.topic or (
-            job.topic if job.catch_up is None else self.last_topic.get(src.name, b"")
-        )
+        topic = msg.topic or (job.topic if job.catch_up is None else table.last_topic(src.name))
         key = (table.worker_source(origin, topic), decoded.data_parallel_rank or 0)
         item = HeldBatch(topic, msg.payload, decoded, msg.recv_ts, True)
         if job.catch_up is not None:
@@ -88,7 +83,7 @@ class ReplyRouter:
             replay_id = job.replay_id
         st = self.streams[key]
         self.liveness.heard(st, now)
-        self.outbox.apply(
+        self.scheduler.apply(
             key, st.tracker.replayed(replay_id, msg.seq, item, fingerprint(msg.payload))
         )
         if job.replies > sched.max_replay_batches:
@@ -111,7 +106,7 @@ class ReplyRouter:
         for key, replay_id in job.streams():
             st = self.streams[key]
             self.liveness.heard(st, now)
-            self.outbox.apply(key, st.tracker.replay_end(replay_id))
+            self.scheduler.apply(key, st.tracker.replay_end(replay_id))
         sched.pump(now)
 
     def disconnected(self, src: Source) -> None:
@@ -137,7 +132,7 @@ class ReplyRouter:
             sched.resend_in_flight(src)
             for key, st in list(self.streams.items()):
                 if st.src is src:
-                    self.outbox.apply(key, st.tracker.verify())
+                    self.scheduler.apply(key, st.tracker.verify())
             sched.pump(now)
         seeded = sched.resume_on_connect.pop(src.name, None)
         if seeded is not None:

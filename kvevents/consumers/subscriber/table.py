@@ -24,13 +24,23 @@ few; a peer inventing them is not)."""
 
 
 class StreamTable:
-    """Every stream seen (:attr:`streams`, keyed by worker ``(source, dp_rank)``).
+    """Every stream seen (:attr:`streams`, keyed by worker ``(source, dp_rank)``), the
+    names of the ``(origin, topic)`` pairs seen, and each source's last live topic.
 
     New streams get a :class:`StreamTracker` with ``catch_up``, ``history`` and
     ``max_pending`` (see :class:`StreamTracker`).  ``decoder`` decodes payloads; an
     undecodable one is counted and reported through ``outbox``."""
 
-    __slots__ = ("catch_up", "decoder", "history", "max_pending", "names", "outbox", "streams")
+    __slots__ = (
+        "_last_topics",
+        "catch_up",
+        "decoder",
+        "history",
+        "max_pending",
+        "names",
+        "outbox",
+        "streams",
+    )
 
     def __init__(
         self,
@@ -48,6 +58,24 @@ class StreamTable:
         self.max_pending = max_pending
         self.streams: dict[StreamKey, Stream] = {}
         self.names: dict[tuple[str, bytes], str] = {}
+        self._last_topics: dict[str, bytes] = {}
+
+    def live_stream(self, src: Source, origin: str, topic: bytes, rank: int, now: float) -> Stream:
+        """The stream of a live batch of ``src`` from ``origin`` (the publisher it names)
+        on ``topic`` with ``rank``, created (heard from at ``now``, monotonic seconds) if
+        new; ``topic`` is noted as ``src``'s last live topic (:meth:`last_topic`)."""
+        self._last_topics[src.name] = topic
+        source = self.names.get((origin, topic))
+        if source is None:
+            source = self.worker_source(origin, topic)
+        key = (source, rank)
+        return self.streams.get(key) or self.open(key, src, topic, now)
+
+    def last_topic(self, name: str) -> bytes:
+        """The topic of the last live batch of the source named ``name`` (``b""``: none
+        yet): what a reply without a topic frame on a channel serving any topic is
+        tagged with."""
+        return self._last_topics.get(name, b"")
 
     def worker_source(self, origin: str, topic: bytes) -> str:
         """:func:`~kvevents.consumers.subscriber.worker_source`, cached."""
