@@ -66,7 +66,7 @@ from kvevents.serve.exchange import ReservationExchange
 from kvevents.serve.fleet import Fleet
 from kvevents.serve.plan import Planner
 from kvevents.serve.proxy import Forwarder
-from kvevents.serve.reservations import Reservations
+from kvevents.serve.reservations import Reservations, pending_overlay
 from kvevents.serve.routing import LoadTracker, RoutingPolicy
 from kvevents.serve.status import WorkersReport
 from kvevents.serve.telemetry import ServeMetrics, StreamCollector
@@ -101,22 +101,23 @@ class ServeApp:
             )  # fmt: skip
         self.fleet = Fleet(config, capture, boot)
         self.loads = LoadTracker(config.load_tokens)
-        self.reservations = (
-            Reservations(config, self.fleet)
-            if config.pending_weight > 0 and config.policy.startswith("kv-aware")
-            else None
-        )
-        res = self.reservations
+        overlay = pending_overlay(config)
         self.policy = RoutingPolicy(
             self.fleet, config.policy, self.loads, config.seed,
-            pending=res.overlay if res else None, pending_weight=config.pending_weight,
+            pending=overlay, pending_weight=config.pending_weight,
         )  # fmt: skip
-        self.exchange = ReservationExchange.for_config(config, res)
+        router = self.policy.router
+        self.exchange = ReservationExchange.for_config(config, self.fleet, overlay, router)
+        res = self.reservations = (
+            Reservations(self.fleet, overlay, router, self.exchange)
+            if overlay is not None
+            else None
+        )
         sub = self.fleet.subscriber
         self.metrics = ServeMetrics(
             [("subscriber", sub), ("index", self.fleet.index), ("decoder", sub.decoder)]
-            + ([("pending", res)] if res else [])
-            + ([("pending_exchange", self.exchange)] if self.exchange else [])
+            + ([("pending", res)] if res is not None else [])
+            + ([("pending_exchange", self.exchange)] if self.exchange is not None else [])
         )
         self.metrics.registry.register(StreamCollector(self.fleet))
         self.upstream = EngineClients(config, self.fleet, self.loads, self.metrics)
@@ -124,11 +125,9 @@ class ServeApp:
         self.planner = Planner(self.fleet, self.policy, self.upstream, local)
         self.disagg = Disaggregator(config.policy, config.pd_min_uncached_tokens, config.seed)
         self.forwarder = Forwarder(
-            self.fleet, self.loads, self.metrics, self.upstream.clients, self.planner, self.disagg
-        )
-        if res is not None:
-            res.router = self.policy.router
-            self.forwarder.reservations = res
+            self.fleet, self.loads, self.metrics, self.upstream.clients, self.planner,
+            self.disagg, res,
+        )  # fmt: skip
         self.report = WorkersReport(
             config, self.fleet, self.loads, self.metrics, self.upstream, self.forwarder
         )

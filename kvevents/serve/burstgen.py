@@ -170,15 +170,13 @@ async def run_bursts(cfg: BurstConfig) -> BurstReport:
                 ]
                 for i in range(cfg.burst)
             ]
-            rec = BurstRecord(b)
             answers = await asyncio.gather(
                 *(
                     request_one(clients[i % len(clients)], one, b, i, msgs)
                     for i, msgs in enumerate(sibs)
                 )
             )
-            rec.requests = [r for r, _ in answers]
-            report.bursts.append(rec)
+            report.bursts.append(BurstRecord(b, [r for r, _ in answers]))
         report.wall_s = time.perf_counter() - t0
     finally:
         for c in clients:

@@ -67,8 +67,7 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
         model=args.model,
     )
     cfg.validate()
-    bar = ProgressBar()
-    bar.enabled = bar.enabled and not args.quiet
+    bar = ProgressBar(quiet=args.quiet)
     report = asyncio.run(run_loadgen(cfg, progress=bar))
     if args.json:
         print(json.dumps(report.to_json()))

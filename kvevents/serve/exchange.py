@@ -8,7 +8,10 @@ from the engines' events only.  A replica that is slow, disconnected or restarte
 peers' reservations (its overlay), nothing more: sends wait in a bounded queue (full:
 dropped and counted), the subscription has bounded pending limits (a slow consumer's
 messages are dropped by the client), and a message that does not decode or names an
-engine rank this replica does not know is counted and skipped.
+engine rank this replica does not know is counted and skipped.  A peer's reservation is
+taken into this replica's :class:`~kvevents.consumers.PendingOverlay` on the same rank
+(:meth:`ReservationExchange.fold`), and ended here when its end arrives
+(:meth:`ReservationExchange.fold_end`).
 
 Messages are msgspec MessagePack arrays ``[1, origin, engine, rank, ttl_ms, unit, keys,
 rid, end]``: ``unit`` is the tokens per content key (the index's canonical block size; a
@@ -18,7 +21,10 @@ request finished (each replica then confirms it from its own index, or contradic
 after the grace), 2 that it never reached its engine (dropped at once); those carry no
 keys.
 
-One job: the exchange.  Imports nats-py when started (the ``jetstream`` extra).
+One job: the exchange, both ways.  Imports the consumers (the overlay, the router), the
+fleet, and nats-py when started (the ``jetstream`` extra); the local side
+(:mod:`~kvevents.serve.reservations`) calls :meth:`ReservationExchange.publish` and
+:meth:`ReservationExchange.publish_end`.
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ from typing import Any
 
 import msgspec
 
+from kvevents.consumers import PendingOverlay, Router
 from kvevents.serve.config import ServeConfig
-from kvevents.serve.fleet import RankState
-from kvevents.serve.reservations import DROPPED, FINISHED, Reservations
+from kvevents.serve.fleet import Fleet, RankState
 
-__all__ = ["SUBJECT", "ExchangeStats", "ReservationExchange"]
+__all__ = ["DROPPED", "FINISHED", "SUBJECT", "ExchangeStats", "ReservationExchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,10 @@ MAX_KEYS = 32_768
 QUEUE = 1024
 """Reservations waiting to be sent at most."""
 _VERSION = 1
+FINISHED = 1
+"""A request's answer ended (the end of a reservation, as the exchange carries it)."""
+DROPPED = 2
+"""A request never reached its engine."""
 
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True):
@@ -87,12 +97,18 @@ class ExchangeStats:
 
 
 class ReservationExchange:
-    """Publishes this replica's reservations and folds the others' (see the module)."""
+    """Publishes this replica's reservations and folds the others' into ``overlay`` (see
+    the module): ``router`` gives the tokens per key (its index's canonical block size),
+    ``fleet`` the engine ranks a peer's reservation may name."""
 
-    def __init__(self, url: str, reservations: Reservations, replica: str) -> None:
+    def __init__(
+        self, url: str, replica: str, fleet: Fleet, overlay: PendingOverlay, router: Router
+    ) -> None:
         self.url = url
-        self.reservations = reservations
         self.replica = replica
+        self.fleet = fleet
+        self.overlay = overlay
+        self.router = router
         self.stats = ExchangeStats()
         self._nc: Any = None
         self._queue: asyncio.Queue[bytes] | None = None
@@ -100,23 +116,22 @@ class ReservationExchange:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_Wire)
         self.connected = asyncio.Event()
+        self._peers: dict[tuple[str, int], int] = {}  # (origin, its rid) -> local rid
+        self._ranks = {(st.engine.name, st.rank): st for st in fleet.ranks}
 
     @classmethod
     def for_config(
-        cls, config: ServeConfig, reservations: Reservations | None
+        cls, config: ServeConfig, fleet: Fleet, overlay: PendingOverlay | None, router: Router
     ) -> ReservationExchange | None:
         """The exchange of a service: on ``pending_nats`` (else ``nats_url``) when it has
-        a pending overlay; None otherwise."""
+        a pending ``overlay``; None otherwise."""
         url = config.pending_nats or config.nats_url
-        if reservations is None or url is None:
+        if overlay is None or url is None:
             return None
         name = config.replica or (
             f"{socket.gethostname()}:{config.port}:{os.getpid()}:{os.urandom(3).hex()}"
         )
-        ex = cls(url, reservations, name)
-        reservations.publish = ex.publish
-        reservations.publish_end = ex.publish_end
-        return ex
+        return cls(url, name, fleet, overlay, router)
 
     def gauges(self) -> dict[str, float]:
         return {"connected": 1.0 if self.connected.is_set() else 0.0}
@@ -189,11 +204,10 @@ class ReservationExchange:
     # --- both directions -----------------------------------------------------------------
     def publish(self, state: RankState, keys: list[int], ttl_s: float, rid: int) -> None:
         """Queue reservation ``rid`` of ``keys`` on ``state`` for the other replicas."""
-        router = self.reservations.router
-        if router is None or len(keys) > MAX_KEYS:
+        if len(keys) > MAX_KEYS:
             self.stats.publish_dropped += 1
             return
-        unit = router.index.canonical_block_size
+        unit = self.router.index.canonical_block_size
         self._send(
             _Wire(
                 _VERSION, self.replica, state.engine.name, state.rank, int(ttl_s * 1000),
@@ -229,7 +243,7 @@ class ReservationExchange:
             self.stats.skipped_own += 1
             return
         if w.end:
-            if self.reservations.fold_end(w.origin, w.rid, w.end):
+            if self.fold_end(w.origin, w.rid, w.end):
                 self.stats.ends_folded += 1
             return
         if (
@@ -240,11 +254,42 @@ class ReservationExchange:
         ):
             self.stats.skipped_bad += 1
             return
-        router = self.reservations.router
-        if router is None or w.unit != router.index.canonical_block_size:
+        if w.unit != self.router.index.canonical_block_size:
             self.stats.skipped_unit += 1
             return
-        if self.reservations.fold(w.origin, w.engine, w.rank, w.keys, w.ttl_ms / 1000.0, w.rid):
+        if self.fold(w.origin, w.engine, w.rank, w.keys, w.ttl_ms / 1000.0, w.rid):
             self.stats.folded += 1
         else:
             self.stats.skipped_engine += 1
+
+    def fold(
+        self, origin: str, engine: str, rank: int, keys: list[int], ttl_s: float, peer_rid: int
+    ) -> bool:
+        """A peer replica's reservation: pending here too, for what is left of its TTL.
+        False (nothing taken) for an engine rank this service does not know."""
+        state = self._ranks.get((engine, rank))
+        if state is None:
+            return False
+        rid = self.overlay.reserve(self.fleet.worker_id(state), keys, ttl_s=ttl_s, origin=origin)
+        if rid is None:
+            return False
+        peers = self._peers
+        peers[(origin, peer_rid)] = rid
+        if len(peers) > 2 * self.overlay.max_entries:  # forget the ended ones
+            live = {r.rid for r in self.overlay.reservations()}
+            self._peers = {k: v for k, v in peers.items() if v in live}
+        return True
+
+    def fold_end(self, origin: str, peer_rid: int, how: int) -> bool:
+        """A peer's request ended (:data:`FINISHED`: confirmed here by the events, or
+        contradicted after the grace; :data:`DROPPED`: it never reached its engine).
+        False when this replica does not hold that reservation."""
+        rid = self._peers.pop((origin, peer_rid), None)
+        if rid is None:
+            return False
+        if how == DROPPED:
+            self.overlay.cancel(rid)
+        else:
+            with self.fleet.lock:
+                self.overlay.finished(rid, self.fleet.index)
+        return True

@@ -295,8 +295,7 @@ class Fleet:
         and a stream is durable, so every rank counts as connected and caught up."""
         for spec in config.engines:
             for rank in range(spec.dp_size):
-                state = RankState(spec, rank, spec.name, config.nats_url or "", None)
-                state.connected = True
+                state = RankState(spec, rank, spec.name, config.nats_url or "", None, True)
                 self.ranks.append(state)
                 self._by_worker[(spec.name, rank)] = state
         assert config.nats_url is not None

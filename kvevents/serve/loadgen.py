@@ -406,11 +406,11 @@ def format_loadgen(report: LoadgenReport) -> str:
 
 
 class ProgressBar:
-    """A one-line progress bar on a terminal; silent otherwise."""
+    """A one-line progress bar on a terminal; silent otherwise, or when ``quiet``."""
 
-    def __init__(self, stream: IO[str] = sys.stderr, width: int = 30) -> None:
+    def __init__(self, stream: IO[str] = sys.stderr, width: int = 30, quiet: bool = False) -> None:
         self.stream = stream
-        self.enabled = stream.isatty()
+        self.enabled = not quiet and stream.isatty()
         self.width = width
         self._last = 0.0
 

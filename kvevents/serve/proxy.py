@@ -84,7 +84,9 @@ class RankStats:
 class Forwarder:
     """Forwards requests to the engines.
 
-    ``planner`` plans each request; ``clients`` maps engine names to their httpx clients
+    ``planner`` plans each request; ``disagg`` decides whether it is split into prefill
+    and decode steps; ``reservations`` (when the service has a pending overlay) is told
+    of every request sent and ended; ``clients`` maps engine names to their httpx clients
     (filled when the service starts); ``rank_stats`` holds one :class:`RankStats` per
     worker label; ``requests_total`` counts every request that reached :meth:`proxy`.
     """
@@ -96,19 +98,19 @@ class Forwarder:
         metrics: ServeMetrics,
         clients: dict[str, httpx.AsyncClient],
         planner: Planner,
-        disagg: Disaggregator | None = None,
+        disagg: Disaggregator,
+        reservations: Reservations | None = None,
     ) -> None:
         self.fleet = fleet
         self.loads = loads
         self.metrics = metrics
         self.clients = clients
         self.planner = planner
-        self.disagg = disagg or Disaggregator(planner.policy.policy, 0)
-        """Decides whether a request is split into prefill and decode steps."""
+        self.disagg = disagg
         self.rank_stats: dict[str, RankStats] = {st.label: RankStats() for st in fleet.ranks}
         self.requests_total = 0
-        self.reservations: Reservations | None = None
-        """The pending overlay's hooks (set by the service when it has one)."""
+        self.reservations = reservations
+        """The pending overlay's hooks (None: the service has no overlay)."""
 
     def error(
         self, route: str, message: str, status: int, param: str | None = None
