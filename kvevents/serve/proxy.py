@@ -52,6 +52,25 @@ _ENGINE_GONE = (
 __all__ = ["Forwarder", "RankStats"]
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """An engine's answer to one step: the candidate that gave it, the response (its
+    body not yet read when streamed), the prompt tokens its load was started with and
+    its reservation (None: none taken)."""
+
+    cand: Ranked
+    resp: httpx.Response
+    uncached: int
+    rid: int | None
+
+
+@dataclass(frozen=True)
+class _Exhausted:
+    """No candidate answered: each was down or gone (``last_error`` says the last)."""
+
+    last_error: str
+
+
 @dataclass
 class RankStats:
     """What the service saw of one engine rank: requests routed to it, the online truth
@@ -184,53 +203,91 @@ class Forwarder:
         it is not a 200 (passed back to the client); None when every candidate failed
         before answering (each marked down)."""
         body = prefill_body(plan.raw)
+        answer = await self._first_answer(plan, cands, body, headers, path, prefill=True)
+        if isinstance(answer, _Exhausted):
+            return None
+        if isinstance(answer, Response):
+            return answer
+        cand, resp = answer.cand, answer.resp
+        st = cand.state
+        self.loads.answered(st.label, answer.uncached)
+        self.loads.finished(st.label)
+        if self.reservations is not None:
+            self.reservations.finished(answer.rid)
+        self.rank_stats[st.label].prefills += 1
+        if resp.status_code != 200:
+            self.metrics.requests.labels(path, str(resp.status_code)).inc()
+            out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+            out["x-kvevents-prefill"] = st.label
+            return Response(resp.content, status_code=resp.status_code, headers=out)
+        self.check_truth(cand, resp.content, False)
+        return cand, answer_params(resp.content), cached_tokens(resp.content, False)
+
+    async def _first_answer(
+        self,
+        plan: RequestPlan,
+        cands: list[Ranked],
+        body: bytes,
+        headers: dict[str, str],
+        path: str,
+        *,
+        prefill: bool = False,
+        charge: bool = True,
+    ) -> _Answer | JSONResponse | _Exhausted:
+        """Send ``body`` to the first of ``cands`` whose engine is up and answers: the
+        failover loop of both steps.
+
+        Each try starts the rank's load (``uncached`` prompt tokens, when ``charge``;
+        else 0) and its reservation.  An engine gone before answering (``_ENGINE_GONE``)
+        is marked down, its load released and its reservation dropped, and the next
+        engine is tried; any other HTTP error ends the request (a 504 for a timeout,
+        else 502).  The answer's rank is counted as routed; the caller owns its load and
+        reservation from then on.  ``prefill``: the prefill step, whose answer is read
+        whole (the whole request's is streamed).  :class:`_Exhausted` when no candidate
+        answered."""
+        what = "prefill engine" if prefill else "engine"
         n = len(plan.tokens)
+        res = self.reservations
+        tried: set[str] = set()
+        last_error = "no engine is available"
         for cand in cands:
             st = cand.state
             name = st.engine.name
-            if not self.fleet.is_up(name):
+            if name in tried or not self.fleet.is_up(name):
                 continue
             h = dict(headers)
             if st.rank > 0:
                 h["X-data-parallel-rank"] = str(st.rank)
-            uncached = max(0, n - cand.match.total - cand.pending)
+            uncached = max(0, n - cand.match.total - cand.pending) if charge else 0
             self.loads.started(st.label, uncached)
-            res = self.reservations
             rid = res.reserve(plan.key, st) if res is not None else None
             client = self.clients[name]
+            req = client.build_request(
+                "POST", st.engine.http_base() + path, content=body, headers=h
+            )
             try:
-                resp = await client.post(st.engine.http_base() + path, content=body, headers=h)
+                resp = await client.send(req, stream=not prefill)
             except _ENGINE_GONE as exc:
+                # nothing was answered: the engine is gone; try the next one
                 if res is not None:
                     res.dropped(rid)
                 self._failed(st, path, exc, uncached)
-                self.fleet.mark_down(name, f"{path} (prefill): {type(exc).__name__}")
+                step = " (prefill)" if prefill else ""
+                self.fleet.mark_down(name, f"{path}{step}: {type(exc).__name__}")
                 self.metrics.retries.inc()
+                tried.add(name)
+                last_error = f"{what} {name} failed: {type(exc).__name__}"
                 continue
             except httpx.HTTPError as exc:
                 if res is not None:
                     res.finished(rid)
                 self._failed(st, path, exc, uncached)
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-                return self.error(
-                    path, f"prefill engine {name} failed: {type(exc).__name__}", status
-                )
-            self.loads.answered(st.label, uncached)
-            self.loads.finished(st.label)
-            if res is not None:
-                res.finished(rid)
+                return self.error(path, f"{what} {name} failed: {type(exc).__name__}", status)
             self.metrics.routed.labels(name, str(st.rank)).inc()
-            stats = self.rank_stats[st.label]
-            stats.routed += 1
-            stats.prefills += 1
-            if resp.status_code != 200:
-                self.metrics.requests.labels(path, str(resp.status_code)).inc()
-                out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
-                out["x-kvevents-prefill"] = st.label
-                return Response(resp.content, status_code=resp.status_code, headers=out)
-            self.check_truth(cand, resp.content, False)
-            return cand, answer_params(resp.content), cached_tokens(resp.content, False)
-        return None
+            self.rank_stats[st.label].routed += 1
+            return _Answer(cand, resp, uncached, rid)
+        return _Exhausted(last_error)
 
     def _failed(self, st: RankState, path: str, exc: Exception, uncached: int) -> None:
         """Count an upstream call to ``st`` that failed before answering (its load,
@@ -254,53 +311,23 @@ class Forwarder:
         """Send ``raw`` to the first of ``cands`` that answers and stream its answer
         back (the whole request, or a decode step when ``check`` is False: its
         ``cached_tokens`` count the transferred prefix, so it is not checked)."""
-        tokens = plan.tokens
-        tried: set[str] = set()
-        stream = plan.stream
-        last_error = "no engine is available"
-        for cand in cands:
-            st = cand.state
-            name = st.engine.name
-            if name in tried or not self.fleet.is_up(name):
-                continue
-            h = dict(headers)
-            if st.rank > 0:
-                h["X-data-parallel-rank"] = str(st.rank)
-            uncached = max(0, len(tokens) - cand.match.total - cand.pending) if check else 0
-            self.loads.started(st.label, uncached)
-            res = self.reservations
-            rid = res.reserve(plan.key, st) if res is not None else None
-            client = self.clients[name]
-            req = client.build_request("POST", st.engine.http_base() + path, content=raw, headers=h)
-            try:
-                resp = await client.send(req, stream=True)
-            except _ENGINE_GONE as exc:
-                # nothing was answered: the engine is gone; try the next one
-                if res is not None:
-                    res.dropped(rid)
-                self._failed(st, path, exc, uncached)
-                self.fleet.mark_down(name, f"{path}: {type(exc).__name__}")
-                self.metrics.retries.inc()
-                tried.add(name)
-                last_error = f"engine {name} failed: {type(exc).__name__}"
-                continue
-            except httpx.HTTPError as exc:
-                if res is not None:
-                    res.finished(rid)
-                self._failed(st, path, exc, uncached)
-                status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-                return self.error(path, f"engine {name} failed: {type(exc).__name__}", status)
-            self.metrics.routed.labels(name, str(st.rank)).inc()
-            self.rank_stats[st.label].routed += 1
-            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
-            out_headers["x-kvevents-worker"] = st.label
-            out_headers.update(extra)
-            return StreamingResponse(
-                self._relay(resp, cand, len(tokens), uncached, t0, path, stream, rid, check),
-                status_code=resp.status_code,
-                headers=out_headers,
-            )
-        return self.error(path, last_error, 503)
+        answer = await self._first_answer(plan, cands, raw, headers, path, charge=check)
+        if isinstance(answer, _Exhausted):
+            return self.error(path, answer.last_error, 503)
+        if isinstance(answer, Response):
+            return answer
+        resp = answer.resp
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+        out_headers["x-kvevents-worker"] = answer.cand.state.label
+        out_headers.update(extra)
+        return StreamingResponse(
+            self._relay(
+                resp, answer.cand, len(plan.tokens), answer.uncached, t0, path, plan.stream,
+                answer.rid, check,
+            ),
+            status_code=resp.status_code,
+            headers=out_headers,
+        )  # fmt: skip
 
     async def _relay(
         self,
