@@ -270,7 +270,7 @@ class ReservationExchange:
         state = self._ranks.get((engine, rank))
         if state is None:
             return False
-        rid = self.overlay.reserve(self.fleet.worker_id(state), keys, ttl_s=ttl_s, origin=origin)
+        rid = self.overlay.reserve(state.worker, keys, ttl_s=ttl_s, origin=origin)
         if rid is None:
             return False
         peers = self._peers

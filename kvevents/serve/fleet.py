@@ -6,6 +6,17 @@ feeding a :class:`~kvevents.consumers.BlockIndex` that the router reads under
 :attr:`Fleet.lock`.  Anomalies that invalidate a worker (publisher restart, unrecoverable
 loss) reset it in the index.
 
+Workers: each engine rank's worker id in the index is derived from its spec when the
+service starts, as the subscriber names its batches: ``(source, rank)`` where source is
+the rank's source name (``NAME`` for rank 0, ``NAME@dpR`` for rank R, each reading its own
+offset endpoint), with ``#TOPIC`` appended when the spec gives a topic
+(:func:`~kvevents.consumers.subscriber.worker_source`); from JetStream, ``(NAME, rank)``.
+A batch naming any other worker (a ``data_parallel_rank`` or a topic the spec does not
+give the stream it came on: an engine started with another ``--data-parallel-rank`` or
+``kv_events_config.topic``, or a longer topic sharing the spec's prefix; from JetStream,
+an engine rank not configured here) is counted per rank and reason in ``unexpected``,
+logged once per worker it names, and skipped: it creates no worker.
+
 Readiness (``/readyz``): a rank is ready once its SUB socket is connected (a ZMQ socket
 monitor reports the connection) and, when it has a replay endpoint, once that endpoint
 has answered a replay (its end marker arrived).  A publisher that has published nothing
@@ -66,6 +77,7 @@ from kvevents.consumers import (
     ZmqSource,
 )
 from kvevents.consumers.source_protocol import CONNECTED, DISCONNECTED, REPLAY_END
+from kvevents.consumers.subscriber import worker_source
 from kvevents.consumers.subscriber.items import BAD_FRAME_KIND, LIVE_AGAIN, STALE, UNDECODABLE
 from kvevents.consumers.subscriber.streams import fingerprint
 from kvevents.errors import ConfigError
@@ -80,6 +92,8 @@ __all__ = ["Fleet", "RankState"]
 logger = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
+_UNEXPECTED_KEYS = 64
+"""Workers named by unexpected batches that are counted by name (the rest: ``other``)."""
 
 
 @dataclass
@@ -89,9 +103,13 @@ class RankState:
     engine: EngineSpec
     rank: int
     source: str
-    """The subscriber's source name for this rank (the worker id is ``(source, rank)``)."""
+    """The subscriber's source name for this rank's stream."""
     events_endpoint: str
     replay_endpoint: str | None
+    worker: tuple[str, int]
+    """The index's worker id of this rank, derived from the spec when the service starts
+    (see :class:`Fleet`): exactly what the rank's batches are named, so routing,
+    reservations and ``/workers`` know it before its first event."""
     connected: bool = False
     replay_answered: bool = False
     last_seq: int = -1
@@ -129,6 +147,9 @@ class RankState:
     restarts: int = 0
     stale_periods: int = 0
     decode_failures: Counter[str] = field(default_factory=Counter)
+    unexpected: Counter[str] = field(default_factory=Counter)
+    """Batches that came on this rank's stream naming another worker, by what differed
+    from the spec (``topic``, ``dp_rank`` or ``topic,dp_rank``): counted, never indexed."""
 
     @property
     def trusted(self) -> bool:
@@ -253,10 +274,12 @@ class Fleet:
         )
         self.ranks: list[RankState] = []
         self._by_source: dict[str, RankState] = {}
+        """Rank by its stream's source name (ZMQ: each rank reads its own endpoint)."""
+        self._by_worker: dict[tuple[str, int], RankState] = {}
+        """Rank by its worker id."""
         self._sources: list[_WatchedSource] = []
         self.down_until: dict[str, float] = {}
         self.down_reason: dict[str, str] = {}
-        self._by_worker: dict[tuple[str, int], RankState] = {}
         if config.nats_url is not None:
             self._init_jetstream(config)
             return
@@ -266,12 +289,13 @@ class Fleet:
                 for rank in range(spec.dp_size):
                     events, replay = spec.endpoints_for_rank(rank)
                     name = spec.name if rank == 0 else f"{spec.name}@dp{rank}"
-                    state = RankState(spec, rank, name, events, replay)
-                    inner = ZmqSource(events, spec.topic.encode(), replay, name=name, context=ctx)
-                    src = _WatchedSource(inner, state)
-                    self._sources.append(src)
-                    self.ranks.append(state)
+                    topic = spec.topic.encode()
+                    worker = (worker_source(name, topic), rank)
+                    state = RankState(spec, rank, name, events, replay, worker)
+                    inner = ZmqSource(events, topic, replay, name=name, context=ctx)
+                    self._sources.append(_WatchedSource(inner, state))
                     self._by_source[name] = state
+                    self._add(state)
             # every stream is caught up from the start of its publisher's replay buffer
             self.subscriber: Subscriber | JetStreamSubscriber = Subscriber(
                 list(self._sources),  # type: ignore[arg-type,unused-ignore]
@@ -295,12 +319,16 @@ class Fleet:
         and a stream is durable, so every rank counts as connected and caught up."""
         for spec in config.engines:
             for rank in range(spec.dp_size):
-                state = RankState(spec, rank, spec.name, config.nats_url or "", None, True)
-                self.ranks.append(state)
-                self._by_worker[(spec.name, rank)] = state
+                url = config.nats_url or ""
+                state = RankState(spec, rank, spec.name, url, None, (spec.name, rank), True)
+                self._add(state)
         assert config.nats_url is not None
         self.subscriber = JetStreamSubscriber(config.nats_url, config.nats_stream)
         self._finish_init()
+
+    def _add(self, state: RankState) -> None:
+        self.ranks.append(state)
+        self._by_worker[state.worker] = state
 
     def _seed(self, snap: PeerSnapshot) -> None:
         """Follow each stream of ``snap`` from its resume point (checked by replay);
@@ -316,19 +344,19 @@ class Fleet:
                     "bootstrap: %s:%d from the snapshot is dropped (%s)", p.engine, p.rank, why
                 )
                 continue
-            wid = self.subscriber.resume(st.source, st.rank, p.seq, p.fingerprint, st.engine.topic)
-            if wid != p.worker:
+            if st.worker != p.worker:
                 logger.warning(
                     "bootstrap: %s is worker %s here, %s in the snapshot: it starts over",
-                    st.label, wid, p.worker,
+                    st.label, st.worker, p.worker,
                 )  # fmt: skip
                 continue
+            wid = self.subscriber.resume(st.source, st.rank, p.seq, p.fingerprint, st.engine.topic)
+            assert wid == st.worker, (wid, st.worker)  # named as its batches will be
             st.resume = (p.seq, p.fingerprint)
             st.resume_ends = st.replay_ends
             st.applied_seq = st.last_seq = p.seq
             st.last_fingerprint = p.fingerprint
             st.missed = not p.complete
-            self._wids[st.label] = wid
             seeded.add(wid)
         for wid in self.index.workers():
             if wid not in seeded:
@@ -342,8 +370,9 @@ class Fleet:
     def _finish_init(self) -> None:
         self.anomalies: Counter[str] = Counter()
         self._snapshot_requests: deque[tuple[threading.Event, list[Any]]] = deque()
-        self._wids: dict[str, tuple[str, int]] = {}
-        self.unknown_batches = 0
+        self.unexpected: Counter[str] = Counter()
+        """Batches naming a worker no rank has (see the module), by ``SOURCE:RANK``."""
+        self._unexpected_seen: set[tuple[str, str]] = set()
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -363,27 +392,13 @@ class Fleet:
             s.close()
 
     # --- lookups -----------------------------------------------------------------------
-    def rank_for(self, source: str, dp_rank: int) -> RankState | None:
-        """The rank a worker ``(source, dp_rank)`` belongs to."""
-        by_worker = self._by_worker.get((source, dp_rank))
-        if by_worker is not None:
-            return by_worker
-        state = self._by_source.get(source)
-        if state is None:
-            # a source name decorated by the subscriber (a topic suffix): longest prefix
-            best = None
-            for name, st in self._by_source.items():
-                if source.startswith(name) and (best is None or len(name) > len(best.source)):
-                    best = st
-            state = best
-        if state is None:
-            return None
-        return state
-
-    def worker_id(self, state: RankState) -> tuple[str, int]:
-        """The index's worker id of ``state``: as its batches named it (the subscriber
-        may decorate the source name, with a topic for instance), else ``(source, rank)``."""
-        return self._wids.get(state.label, (state.source, state.rank))
+    def rank_for(self, source: str, dp_rank: int | None) -> RankState | None:
+        """The rank whose worker is ``(source, dp_rank)``; with ``dp_rank`` None (an anomaly
+        of a stream rather than of a worker), the rank whose stream ``source`` names (its
+        source name, with or without ``#TOPIC``).  None for anything else."""
+        if dp_rank is not None:
+            return self._by_worker.get((source, dp_rank))
+        return self._by_source.get(source.partition("#")[0])
 
     def is_up(self, engine: str, now: float | None = None) -> bool:
         until = self.down_until.get(engine)
@@ -453,9 +468,7 @@ class Fleet:
                 if rp is None:
                     continue
                 points.append(
-                    StreamPoint(
-                        st.engine.name, st.rank, self.worker_id(st), rp[0], rp[1], not st.missed
-                    )
+                    StreamPoint(st.engine.name, st.rank, st.worker, rp[0], rp[1], not st.missed)
                 )
         return PeerSnapshot(self.index.snapshot(), tuple(points), time.time())
 
@@ -486,9 +499,6 @@ class Fleet:
                 self._settle_resumes()
                 continue
             if isinstance(item, ReceivedBatch):
-                st = self.rank_for(item.source, item.dp_rank)
-                if st is None:
-                    self.unknown_batches += 1
                 if self.capture is not None:
                     self.capture.write(
                         item.source,
@@ -498,40 +508,78 @@ class Fleet:
                         recv_ts=item.recv_ts,
                         replayed=item.replayed,
                     )
+                st = self._by_worker.get((item.source, item.dp_rank))
+                if st is None:
+                    self._unexpected(item)
+                    continue
                 batch = _gpu_events(item.batch) if self.gpu_only else item.batch
                 with self.lock:
                     self.index.apply(item.source, item.dp_rank, batch)
-                if st is not None:
-                    if st.batches == 0:
-                        self._wids[st.label] = (item.source, item.dp_rank)
-                    if st.resume is not None:
-                        # the first batch after the resume point: the check passed
-                        logger.warning(
-                            "%s: resumed from the snapshot's seq %d (checked by replay)",
-                            st.label,
-                            st.resume[0],
-                        )
-                        st.resume = None
-                    st.applied_seq = item.seq
-                    st.last_payload = item.payload
-                    st.batches += 1
-                    st.events += len(item.batch.events)
-                    st.last_seq = max(st.last_seq, item.seq)
-                    st.last_event_ts = time.time()
-                    st.note_events(time.monotonic(), len(item.batch.events))
+                if st.resume is not None:
+                    # the first batch after the resume point: the check passed
+                    logger.warning(
+                        "%s: resumed from the snapshot's seq %d (checked by replay)",
+                        st.label,
+                        st.resume[0],
+                    )
+                    st.resume = None
+                st.applied_seq = item.seq
+                st.last_payload = item.payload
+                st.batches += 1
+                st.events += len(item.batch.events)
+                st.last_seq = max(st.last_seq, item.seq)
+                st.last_event_ts = time.time()
+                st.note_events(time.monotonic(), len(item.batch.events))
             elif isinstance(item, Anomaly):
                 self._anomaly(item)
 
+    def _unexpected(self, item: ReceivedBatch) -> None:
+        """Count and report a batch naming a worker no rank has (see the module); it is
+        not indexed.  Counted by the worker it names (at most :data:`_UNEXPECTED_KEYS`
+        names, the rest as ``other``) and, when it came on a rank's stream, for that rank
+        by what differs from its spec; one line is logged per (rank, worker named)."""
+        named = f"{item.source}:{item.dp_rank}"
+        fresh = named in self.unexpected or len(self.unexpected) < _UNEXPECTED_KEYS
+        self.unexpected[named if fresh else "other"] += 1
+        st = self.rank_for(item.source, None)
+        if st is None:
+            if fresh and ("", named) not in self._unexpected_seen:
+                self._unexpected_seen.add(("", named))
+                logger.warning(
+                    "batches of worker %s are skipped: it is no engine rank of this service",
+                    named,
+                )
+            return
+        topic = item.topic.decode("utf-8", "backslashreplace")
+        differs = []
+        if topic != st.engine.topic:
+            differs.append("topic")
+        if item.dp_rank != st.rank:
+            differs.append("dp_rank")
+        st.unexpected[",".join(differs) or "worker"] += 1
+        if fresh and (st.label, named) not in self._unexpected_seen:
+            self._unexpected_seen.add((st.label, named))
+            line = (
+                f"batches of topic {topic!r}, data_parallel_rank {item.dp_rank} came on its "
+                f"stream ({st.events_endpoint}); its spec gives it topic {st.engine.topic!r} "
+                f"and rank {st.rank}: skipped (check the engine's ;topic= and ;dp=)"
+            )
+            st.recent_anomalies.append(
+                f"{time.strftime('%H:%M:%S')} unexpected_batch: {line}"[:200]
+            )
+            logger.warning("%s: %s", st.label, line)
+
     def _anomaly(self, item: Anomaly) -> None:
         """Count ``item`` for its rank, reset its worker when it needs one, and follow
-        its trust and completeness."""
+        its trust and completeness.  An anomaly of a worker no rank has (a stream of
+        unexpected batches) is counted in :attr:`anomalies` only."""
         self.anomalies[item.kind] += 1
-        if item.needs_reset and item.dp_rank is not None:
-            with self.lock:
-                self.index.reset_worker((item.source, item.dp_rank))
-        st = self.rank_for(item.source, item.dp_rank or 0)
+        st = self.rank_for(item.source, item.dp_rank)
         if st is None:
             return
+        if item.needs_reset and item.dp_rank is not None:
+            with self.lock:
+                self.index.reset_worker(st.worker)
         kind = item.kind
         st.anomalies[kind] += 1
         st.recent_anomalies.append(f"{time.strftime('%H:%M:%S')} {kind}: {item.detail}"[:200])
@@ -567,7 +615,7 @@ class Fleet:
             st.stale = True
             st.stale_periods += 1
             with self.lock:
-                self.index.set_stale(self.worker_id(st))
+                self.index.set_stale(st.worker)
             logger.warning(
                 "%s: untrusted: no event and no replay answer for %s s; its KV credit is "
                 "not used (routed by load alone) until its events return",
@@ -576,7 +624,7 @@ class Fleet:
         elif kind == LIVE_AGAIN and st.stale:
             st.stale = False
             with self.lock:
-                self.index.set_stale(self.worker_id(st), False)
+                self.index.set_stale(st.worker, False)
             logger.warning("%s: trusted again: its events are back", st.label)
 
     def _settle_resumes(self) -> None:

@@ -79,7 +79,7 @@ class Reservations:
             return None
         with self.fleet.lock:
             self.overlay.sweep(self.fleet.index)  # what is due ends, confirmed or not
-        rid = self.overlay.reserve(self.fleet.worker_id(state), keys)
+        rid = self.overlay.reserve(state.worker, keys)
         if rid is not None and self.exchange is not None:
             self.exchange.publish(state, keys, self.overlay.ttl_s, rid)
         return rid

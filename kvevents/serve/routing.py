@@ -156,7 +156,7 @@ class RoutingPolicy:
         if not candidates:
             return []
         fleet = self.fleet
-        wid_of = {fleet.worker_id(st): st for st in candidates}
+        wid_of = {st.worker: st for st in candidates}
         load_of = {wid: self.loads.load(st.label) for wid, st in wid_of.items()}
         kv = self.policy.startswith("kv-aware")
         cost_loads = load_of if kv else dict.fromkeys(load_of, 0.0)
@@ -175,7 +175,7 @@ class RoutingPolicy:
                 else r
                 for r in ranked
             ]
-            ranked.sort(key=lambda r: (r.cost, fleet.worker_id(r.state)))
+            ranked.sort(key=lambda r: (r.cost, r.state.worker))
         if len(ranked) < len(wid_of):
             # untrusted ranks (silent streams, left out by the index): no KV credit, load only
             seen = {id(r.state) for r in ranked}
@@ -185,7 +185,7 @@ class RoutingPolicy:
                 for wid, st in wid_of.items()
                 if id(st) not in seen
             ]
-            ranked.sort(key=lambda r: (r.cost, fleet.worker_id(r.state)))
+            ranked.sort(key=lambda r: (r.cost, r.state.worker))
         if self.policy.startswith("kv-aware"):
             return ranked
         ranked.sort(key=lambda r: (r.state.engine.name, r.state.rank))

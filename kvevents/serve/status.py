@@ -70,7 +70,7 @@ class WorkersReport:
         summary = self.index_summary()
         out = []
         for st in self.fleet.ranks:
-            ws = summary.get(self.fleet.worker_id(st))
+            ws = summary.get(st.worker)
             blocks = {
                 tier: {"entries": t.entries, "tokens": t.tokens}
                 for tier, t in (ws.tiers.items() if ws is not None else [])
@@ -84,6 +84,7 @@ class WorkersReport:
                     "worker": st.label,
                     "engine": st.engine.name,
                     "rank": st.rank,
+                    "index_worker": list(st.worker),
                     "role": st.engine.role,
                     "url": st.engine.http_base(),
                     "events_endpoint": st.events_endpoint,
@@ -113,6 +114,7 @@ class WorkersReport:
                     if st.last_event_ts is None
                     else round(max(0.0, now - st.last_event_ts), 3),
                     "anomalies": dict(st.anomalies),
+                    "unexpected_batches": dict(st.unexpected),
                     "recent_anomalies": list(st.recent_anomalies),
                     "blocks": blocks,
                     "in_flight": self.loads.inflight.get(st.label, 0),
@@ -167,5 +169,6 @@ class WorkersReport:
             "incomplete": self.fleet.incomplete(now_m),
             "requests": self.forwarder.requests_total,
             "consumer_error": None if self.fleet.error is None else repr(self.fleet.error),
+            "unexpected_batches": dict(self.fleet.unexpected),
             "workers": out,
         }

@@ -11,8 +11,9 @@ cached tokens), upstream errors and retries, and per-engine gauges (up, in fligh
 trusted: ``kvevents_stream_trusted`` and ``kvevents_stream_complete`` (1 or 0), and the
 counters ``kvevents_stream_decode_failures_total`` (by reason),
 ``kvevents_stream_gaps_total``, ``kvevents_stream_batches_missing_total``,
-``kvevents_stream_restarts_total`` and ``kvevents_stream_stale_periods_total``, read
-from the fleet at each scrape.
+``kvevents_stream_restarts_total``, ``kvevents_stream_stale_periods_total`` and
+``kvevents_stream_unexpected_batches_total`` (by what differed from the spec), read from
+the fleet at each scrape.
 """
 
 from __future__ import annotations
@@ -182,8 +183,16 @@ class StreamCollector(Collector):
         stale = CounterMetricFamily(
             "kvevents_stream_stale_periods", "Times the stream went silent", labels=labels
         )
+        unexpected = CounterMetricFamily(
+            "kvevents_stream_unexpected_batches",
+            "Batches on the rank's stream naming another worker than its spec gives it "
+            "(another topic or data-parallel rank): skipped",
+            labels=[*labels, "reason"],
+        )
         for st in list(self.fleet.ranks):
             lv = [st.engine.name, str(st.rank)]
+            for reason, n in list(st.unexpected.items()):
+                unexpected.add_metric([*lv, reason], float(n))
             trusted.add_metric(lv, 1.0 if st.trusted else 0.0)
             complete.add_metric(lv, 1.0 if st.completeness == "complete" else 0.0)
             for reason in ("undecodable", "bad_frame"):
@@ -192,4 +201,4 @@ class StreamCollector(Collector):
             missing.add_metric(lv, float(st.batches_missing))
             restarts.add_metric(lv, float(st.restarts))
             stale.add_metric(lv, float(st.stale_periods))
-        yield from (trusted, complete, decode, gaps, missing, restarts, stale)
+        yield from (trusted, complete, decode, gaps, missing, restarts, stale, unexpected)

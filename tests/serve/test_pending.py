@@ -135,7 +135,7 @@ def test_expired_reservations_leave_no_credit() -> None:
 
 
 async def _reserve(res: object, keys: list[int], st: object) -> None:
-    res.overlay.reserve(res.fleet.worker_id(st), keys)  # type: ignore[attr-defined]
+    res.overlay.reserve(st.worker, keys)  # type: ignore[attr-defined]
 
 
 def test_weight_zero_turns_it_off() -> None:

@@ -101,19 +101,26 @@ def test_a_silent_stream_is_untrusted_routed_by_load_and_trusted_again() -> None
             p.stop()
 
 
-def test_rank_lookup_of_a_data_parallel_rank_raises_no_warning() -> None:
+def test_rank_lookup_is_by_the_worker_derived_from_the_spec() -> None:
     from kvevents.serve.config import ServeConfig, parse_engine_spec
     from kvevents.serve.fleet import Fleet
 
-    spec = parse_engine_spec("x=http://127.0.0.1:9,tcp://127.0.0.1:9,tcp://127.0.0.1:10;dp=2")
+    spec = parse_engine_spec(
+        "x=http://127.0.0.1:9,tcp://127.0.0.1:9,tcp://127.0.0.1:10;dp=2;topic=kv"
+    )
     fleet = Fleet(replace(ServeConfig(), engines=(spec,)))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            # rank 1's own stream, and a rank-1 batch on rank 0's stream (one publisher
-            # naming several ranks): the thread looked a deprecated alias up for it
-            assert fleet.rank_for("x@dp1", 1) is fleet.ranks[1]
-            assert fleet.rank_for("x", 1) is fleet.ranks[0]
+            assert [st.worker for st in fleet.ranks] == [("x#kv", 0), ("x@dp1#kv", 1)]
+            assert fleet.rank_for("x@dp1#kv", 1) is fleet.ranks[1]
+            # a rank-1 batch on rank 0's stream, or another topic: no rank's worker
+            assert fleet.rank_for("x#kv", 1) is None
+            assert fleet.rank_for("x#kv@b", 0) is None
+            assert fleet.rank_for("x", 0) is None
+            # an anomaly of a stream (no rank): the rank reading that stream
+            assert fleet.rank_for("x@dp1#kv", None) is fleet.ranks[1]
+            assert fleet.rank_for("x#other", None) is fleet.ranks[0]
     finally:
         fleet.close()
 
