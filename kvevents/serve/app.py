@@ -82,9 +82,10 @@ class ServeApp:
     """One service instance: the fleet, the policy, the upstream clients, the metrics.
 
     Parts: ``fleet`` (event streams and index), ``policy`` and ``loads`` (routing),
-    ``upstream`` (:class:`EngineClients`), ``planner`` (:class:`Planner`), ``forwarder``
-    (:class:`Forwarder`), ``report`` (:class:`WorkersReport`), ``metrics``; ``app`` is
-    the ASGI application.
+    ``reservations`` and ``exchange`` (the pending overlay and its NATS exchange; None
+    when off), ``upstream`` (:class:`EngineClients`), ``planner`` (:class:`Planner`),
+    ``forwarder`` (:class:`Forwarder`), ``report`` (:class:`WorkersReport`), ``metrics``;
+    ``app`` is the ASGI application.  Each part is given what it uses when it is built.
     """
 
     def __init__(self, config: ServeConfig, capture: CaptureWriter | None = None) -> None:
