@@ -83,11 +83,13 @@ def rig() -> Iterator[tuple[str, Proc, list[ZmqEventPublisher]]]:
             pub.shutdown()
 
 
-def _batch(i: int) -> KVEventBatch:
+def _batch(r: int, i: int) -> KVEventBatch:
+    """Batch ``i`` of the publisher at rank ``r``'s endpoint: one block of its own."""
+    h = 100 * r + i + 1
     stored = BlockStored(
-        block_hashes=[i + 1],
+        block_hashes=[h],
         parent_block_hash=None,
-        token_ids=list(range(16 * i, 16 * i + 16)),
+        token_ids=list(range(16 * h, 16 * h + 16)),
         block_size=16,
         lora_id=None,
         medium="GPU",
@@ -128,7 +130,7 @@ def test_every_rank_is_known_from_the_spec_and_unexpected_batches_are_counted(
 
     for r, pub in enumerate(pubs):
         for i in range(r + 2):  # 2, 3 and 4 batches
-            pub.publish(_batch(i))
+            pub.publish(_batch(r, i))
 
     def counted() -> bool:
         w = _by_rank(_workers(url))
@@ -154,6 +156,7 @@ def test_every_rank_is_known_from_the_spec_and_unexpected_batches_are_counted(
 
     wait_until(indexed, 30, "dp:2's blocks in /workers")  # /workers' summary: 1 s cache
     metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert "\nkvevents_index_resident_entries 4.0\n" in metrics  # dp:2's blocks only
     assert (
         'kvevents_stream_unexpected_batches_total{engine="dp",rank="0",reason="dp_rank"} 2.0'
         in metrics
