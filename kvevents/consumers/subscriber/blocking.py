@@ -47,9 +47,9 @@ class Subscriber(SubscriberCore):
 
         The next item already read is returned at once; otherwise this runs
         :meth:`~SubscriberCore.receiving`'s loop, waiting with :meth:`select`."""
-        item = self.take()  # the common case: processed and waiting
-        if item is not None:
-            return item
+        out = self._outbox.items
+        if out:  # the common case: processed and waiting
+            return out.popleft()
         select = self._waits.select
         loop = self.receiving(timeout)
         try:

@@ -156,8 +156,7 @@ class SubscriberCore:
         self._closed = False
         if options.catch_up:
             self._replays.catch_up_sources()
-            self._waits.settle(self._replays.touched)
-        self._replays.touched.clear()
+            self._waits.settle(self._replays.take_touched())
 
     # --- the driving interface ----------------------------------------------------------
     @property
@@ -201,7 +200,7 @@ class SubscriberCore:
         st.tracker.resume_at(seq, fingerprint)
         replays = self._replays
         if getattr(src, "monitored", False):
-            replays.resume_on_connect.setdefault(src.name, []).append(key)
+            replays.check_on_connect(src, key)
         else:
             req = st.tracker.check_resume()
             if req is not None:
@@ -390,8 +389,7 @@ class SubscriberCore:
         # Everything called above: its sockets' state is read afresh before the next wait.
         waits.settle(sources, read=True)
         if replays.touched:
-            waits.settle(replays.touched)
-            replays.touched.clear()
+            waits.settle(replays.take_touched())
         if maintained:
             waits.settle(maintained)
 

@@ -78,12 +78,29 @@ class ReplayScheduler:
         self.cut_channels: set[ChannelKey] = set()
         """The channels closed during the current read (:meth:`new_read` empties it)."""
         self._by_name = {src.name: src for src in sources}
-        self.resume_on_connect: dict[str, list[StreamKey]] = {}
+        self._resume_on_connect: dict[str, list[StreamKey]] = {}
         """Per source name, the streams seeded with a resume point whose check waits for
         the live socket to connect (it replaces that source's first catch-up)."""
         self.touched: list[Source] = []
-        """Sources asked for a replay or told to drop one since the caller last cleared
-        this (their sockets' state changed: the caller settles them before waiting)."""
+        """Sources asked for a replay or told to drop one since the last
+        :meth:`take_touched` (read only)."""
+
+    def take_touched(self) -> list[Source]:
+        """The sources asked for a replay or told to drop one since the last call (their
+        sockets' state changed: the caller settles them before waiting)."""
+        touched = self.touched
+        self.touched = []
+        return touched
+
+    def check_on_connect(self, src: Source, key: StreamKey) -> None:
+        """Check stream ``key``'s resume point (:meth:`StreamTracker.check_resume`) once
+        ``src``'s live socket connects, instead of catching ``src`` up."""
+        self._resume_on_connect.setdefault(src.name, []).append(key)
+
+    def resumed_on_connect(self, src: Source) -> list[StreamKey] | None:
+        """The streams of ``src`` waiting for its connection to check their resume
+        points (None: none were; they are forgotten here, once asked)."""
+        return self._resume_on_connect.pop(src.name, None)
 
     def new_read(self) -> None:
         """A new read of one source begins (replies of a DEALER closed during the

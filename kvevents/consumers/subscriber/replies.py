@@ -134,7 +134,7 @@ class ReplyRouter:
                 if st.src is src:
                     self.scheduler.apply(key, st.tracker.verify())
             sched.pump(now)
-        seeded = sched.resume_on_connect.pop(src.name, None)
+        seeded = sched.resumed_on_connect(src)
         if seeded is not None:
             # Streams resumed from a snapshot: checked from their resume points instead
             # of a catch-up of the whole ring.
