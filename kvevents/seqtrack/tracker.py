@@ -462,7 +462,9 @@ class StreamTracker(Generic[T]):
         # (a publisher bounding replies per request): ask again from where it stopped.
         self._rounds += 1
         assert nxt is not None
-        if nxt > self._req_front:
+        if self._req_front < nxt < self._heap[0]:
+            # (a buffered seq right at ``nxt`` is no hole: it only waits for a reply to
+            # vouch for it, as when the ring answered before that live batch reached it)
             out.append(Report(GAP, nxt, self._heap[0] - 1, "live batches lost during a replay"))
         out.append(self._begin(self.last if self.last is not None else 0, check=None))
         return out

@@ -353,6 +353,21 @@ def test_a_real_jump_is_vouched_for_by_its_replay():
     assert kinds(t.replay_end(1)) == ["D4"]
 
 
+def test_a_catch_up_answered_before_the_first_live_batch_reached_the_ring_reports_no_gap():
+    # The first live batch (17) arrives before the ring held it: the catch-up's reply stops
+    # at 16, and 17 waits for a second round to vouch for it.  Nothing was lost in between,
+    # so no gap is reported (an empty "17..16" range was, once).
+    t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
+    assert live(t, 17) == ["replay@0#1"]
+    for s in range(17):
+        assert rep(t, 1, s) == [f"D{s}r"]
+    assert kinds(t.replay_end(1)) == ["replay@16#2"]
+    assert rep(t, 2, 16) == ["drop:replay_overlap"]
+    assert rep(t, 2, 17) == ["drop:replay_overlap", "D17"]
+    assert kinds(t.replay_end(2)) == []
+    assert live(t, 18) == ["D18"]
+
+
 def test_a_forged_seq_behind_is_disowned_once_the_replay_shows_the_same_stream():
     t: StreamTracker[Item] = StreamTracker(vouch_jumps=True)
     for s in range(5):
@@ -468,7 +483,14 @@ def test_model_never_loses_invents_or_misattributes(sc: dict[str, Any], data: st
                 modes = ["ok"] if forge else ["ok", "ok", "ok", "fail"]
                 mode = data.draw(st.sampled_from(modes), label="mode")
                 in_flight.append([a.replay_id, a.start, None, mode])
-            elif (
+            if (
+                isinstance(a, Report)
+                and a.first_seq is not None
+                and a.last_seq is not None
+                and a.kind != PUBLISHER_RESTART
+            ):
+                assert a.first_seq <= a.last_seq, f"an empty range reported: {kinds(out)}"
+            if (
                 isinstance(a, Report)
                 and a.kind in (UNRECOVERABLE_LOSS, HISTORY_MISSED)
                 and ring_seqs is not None
