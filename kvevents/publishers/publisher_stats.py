@@ -58,12 +58,14 @@ class PublisherStats:
       ZeroMQ dropped for a frame above ``replay_max_message_bytes``.
     * ``internal_errors``: unexpected exceptions in the sender thread (logged).
     * The live byte budget (what subscribers that stop reading can pin):
-      ``live_subscribers`` (matching subscriptions now), ``live_hwm`` (the ``SNDHWM``
-      derived from the budget and the batch-size hint, messages per subscriber),
-      ``live_batch_bytes`` (the batch size seen), ``live_pinned_bytes_bound`` (what all
-      subscribers' queues can hold at most with that size, bytes) and
-      ``live_budget_overruns`` (times that bound went above ``live_max_bytes_in_flight``;
-      each is a warning).
+      ``live_subscribers`` (matching subscriptions now), ``live_hwm`` (the PUB socket's
+      ``SNDHWM`` now, messages per subscriber), ``live_batch_bytes`` (the batch size
+      seen), ``live_pinned_bytes_bound`` (what all subscribers' queues can hold at most
+      with that size, bytes), ``live_recreations`` (times the PUB socket was re-created
+      with another mark, by reason in ``live_recreation_reasons``: ``subscribers``,
+      ``batch_size``, ``grow``) and ``live_budget_overruns`` (times that bound went
+      above ``live_max_bytes_in_flight`` with no re-creation to fix it; each is a
+      warning).
     * ``head_batches_held``: in connect mode, batches published before the collector's
       first subscription arrived and held until it did.
     * ``replay_buffer_bytes``: payload bytes in the replay ring now (at most
@@ -91,6 +93,8 @@ class PublisherStats:
     live_subscribers: int = 0
     live_hwm: int = 0
     live_budget_overruns: int = 0
+    live_recreations: int = 0
+    live_recreation_reasons: Counter[str] = field(default_factory=Counter)
     live_batch_bytes: int = 0
     live_pinned_bytes_bound: int = 0
     head_batches_held: int = 0

@@ -51,9 +51,11 @@ Deliberate differences from vLLM 0.33's ``ZmqEventPublisher`` (its queue and sen
   ``publish()`` afterwards raises :class:`~kvevents.errors.PublisherClosedError`.
 * What subscribers that stop reading can pin is bounded in bytes
   (``live_max_client_bytes`` each, ``live_max_bytes_in_flight`` in all): the PUB
-  socket's high-water mark is derived from the budget and a batch-size hint before the
-  socket opens, never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`).  The socket is an
-  XPUB (the same protocol) so that the sender sees who subscribes.
+  socket's high-water mark is derived from the budget, the subscriber count and the
+  batch size, never above ``hwm``; when it must fall, the socket is re-created with
+  the smaller mark at the same address (its subscribers reconnect and replay what they
+  missed; :mod:`~kvevents.publishers.live_budget`).  The socket is an XPUB (the same
+  protocol) so that the sender sees who subscribes.
 * In connect mode the batches published before the first subscription arrives are held
   (bounded, counted) and sent once it has, instead of being lost
   (:mod:`~kvevents.publishers.head_hold`).
@@ -164,11 +166,13 @@ class ZmqEventPublisher:
     * ``live_max_client_bytes``: what one subscriber that stops reading can make the
       publisher hold in its send queue (bytes, default 64 MiB);
       ``live_max_bytes_in_flight``: the same over all subscribers (default 256 MiB).
-      The PUB socket's ``SNDHWM`` is derived from them and ``live_batch_bytes_hint``
-      (the payload bytes of a typical batch, default 16 KiB) once, before the socket
-      binds or connects, never above ``hwm`` (:mod:`~kvevents.publishers.live_budget`:
-      a live change of the mark can crash libzmq); a subscriber at its budget misses
-      batches (a seq gap it recovers by replay).
+      The PUB socket opens with the ``SNDHWM`` they allow one subscriber of batches of
+      ``live_batch_bytes_hint`` (payload bytes, default 16 KiB), never above ``hwm``;
+      when the subscriber count or the batch size seen makes that too much, the socket
+      is re-created with half the mark or less (a live change of the mark can crash
+      libzmq; :mod:`~kvevents.publishers.live_budget`): every subscriber reconnects
+      and recovers the gap by replay.  A subscriber at its budget misses batches (a
+      seq gap it recovers by replay).
       ``None`` for both: vLLM's behaviour, ``hwm`` messages per subscriber whatever
       their size.
     * ``hold_until_subscribed``: hold the batches published before the first
@@ -364,8 +368,12 @@ class ZmqEventPublisher:
                 self.stats,
                 RateLimitedLog(logger, warn_interval_s),
                 hwm=live_hwm,
+                per_subscriber_bytes=live_max_client_bytes or unlimited,
                 total_bytes=live_max_bytes_in_flight or unlimited,
+                batch_bytes_hint=live_batch_bytes_hint,
                 envelope_bytes=len(topic_frame) + 8,
+                # inproc peers do not reconnect to a re-created socket: only watch.
+                adaptive=not self.endpoint.startswith("inproc://"),
             )
         head = None
         if self.hold_until_subscribed:

@@ -3,7 +3,9 @@
 One job: the loop of the one daemon thread (``"kvevents-zmq-publisher"``) that owns a
 publisher's sockets.  Each round sends a burst of up to ``live_burst`` queued batches,
 then takes new replay requests and sends one replay slice
-(:class:`~kvevents.publishers.replay_service.ReplayService`).  On stop it counts what is
+(:class:`~kvevents.publishers.replay_service.ReplayService`); when the live byte budget
+(:class:`~kvevents.publishers.live_budget.LiveBudget`) wants another high-water mark,
+it re-creates the PUB socket with it.  On stop it counts what is
 still queued as dropped, waits (within the shutdown budget) for ZeroMQ to confirm the
 last batch written (:class:`~kvevents.publishers.delivery.DeliveryMarks`), and closes the
 sockets.  Imports the codec, the stats, the replay service, the delivery marks and the
@@ -22,7 +24,7 @@ from typing import Any
 import zmq
 
 from kvevents.codec import encode_batch, pack_seq
-from kvevents.errors import EncodeError
+from kvevents.errors import ConfigError, EncodeError
 from kvevents.events import EventBatch
 from kvevents.publishers.delivery import DeliveryMarks
 from kvevents.publishers.head_hold import HeadHold
@@ -91,6 +93,8 @@ class SenderThread:
         self.ring_bytes = 0
         """Payload bytes in the replay ring."""
         self.budget = budget
+        self.recreated_at = 0.0
+        """``time.monotonic()`` of the last re-creation of the PUB socket."""
         self.head = head
         self.closing = threading.Event()
         """Set by :meth:`request_stop`: flush, then stop."""
@@ -184,6 +188,8 @@ class SenderThread:
             if head is not None and not head.subscribed:
                 head.subscribed = True
                 self._release_head(head)
+        if budget is not None:
+            self._keep_budget(budget)
         replay = self.replay
         # Block for the next batch unless a replay can make progress right now; a
         # replay whose client is full is retried after at most idle_poll_s.
@@ -212,6 +218,8 @@ class SenderThread:
             track = marks.since_mark + 1 >= track_every or (closing and batches.qsize() <= 1)
             self._send_live(*item, track=track)
             sent += 1
+        if budget is not None and sent:
+            self._keep_budget(budget)
         if replay is not None:
             replay.accept_requests()
             if replay.peers:
@@ -219,6 +227,62 @@ class SenderThread:
         if head is not None and head.held:
             return False  # held until the collector subscribes or the budget ends
         return closing and sent == 0 and batches.empty()
+
+    def _keep_budget(self, budget: LiveBudget) -> None:
+        """Re-create the PUB socket when the budget wants another mark; bind a
+        re-created one whose address was still busy."""
+        sockets = self.sockets
+        if budget.wanted is not None:
+            self._recreate(budget, *budget.wanted)
+        if (
+            sockets.attach_pending
+            and not sockets.retry_attach()
+            and time.monotonic() - self.recreated_at > 1.0
+        ):
+            # The old listener usually lets go of the address within a millisecond.
+            self.error_log.warning(
+                "rebind",
+                "KV event publisher: %s is still busy; binding the re-created PUB socket "
+                "again in the next round",
+                sockets.endpoint,
+            )
+
+    def _recreate(self, budget: LiveBudget, hwm: int, reason: str) -> None:
+        """Replace the PUB socket by one with ``SNDHWM`` ``hwm`` (never set on a socket
+        with peers: libzmq would push it to pipes being torn down).  Its subscribers
+        reconnect by themselves and recover what they missed by replay; in connect mode
+        the head is held again until the collector's subscription arrives."""
+        sockets = self.sockets
+        old, subscribers = sockets.hwm_messages, budget.subscribers
+        try:
+            sockets.reopen_pub(hwm)
+        except (ConfigError, zmq.ZMQError) as exc:  # the old socket is kept
+            budget.wanted = None  # asked again at the next block of batches
+            self.error_log.warning(
+                "recreate", "KV event publisher: cannot re-create the PUB socket: %s", exc
+            )
+            return
+        self.recreated_at = time.monotonic()
+        self.subscriptions = SubscriptionCounter(sockets.pub, self.topic_frame)
+        budget.recreated(hwm)
+        stats = self.stats
+        stats.live_recreations += 1
+        stats.live_recreation_reasons[reason] += 1
+        if self.head is not None:
+            self.head.subscribed = False
+        logger.warning(
+            "KV event publisher %s: re-created the PUB socket with a high-water mark of %d "
+            "batches (was %d; %s: %d subscribers, batches of about %d bytes, budget %d "
+            "bytes each and %d in all); its subscribers reconnect and recover by replay",
+            sockets.endpoint,
+            hwm,
+            old,
+            reason,
+            subscribers,
+            int(budget.estimate or budget.hint),
+            budget.per_subscriber_bytes,
+            budget.total_bytes,
+        )
 
     def _release_head(self, head: HeadHold) -> None:
         """Send the batches held until the first subscription, in seq order."""

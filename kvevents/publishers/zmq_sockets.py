@@ -2,9 +2,10 @@
 
 One job: open the PUB socket (bound or connected, with its HWM, CURVE and a cap on
 subscription frames; an XPUB, wire-compatible with a PUB, that hands every
-subscription and unsubscription to the sender) and, when asked, the ROUTER replay socket (always bound,
-``ROUTER_MANDATORY``, with a disconnect monitor), resolve the addresses they got, and
-close them again.  Imports pyzmq, :mod:`kvevents.endpoints` and
+subscription and unsubscription to the sender) and, when asked, the ROUTER replay
+socket (always bound, ``ROUTER_MANDATORY``, with a disconnect monitor), resolve the
+addresses they got, re-create the PUB socket with another HWM at the same address
+(:meth:`PublisherSockets.reopen_pub`), and close them again.  Imports pyzmq, :mod:`kvevents.endpoints` and
 :mod:`kvevents.security`; nothing of ``publishers``.
 """
 
@@ -21,6 +22,10 @@ from kvevents.errors import ConfigError
 from kvevents.security import CurveServerConfig, apply_curve_server
 
 __all__ = ["PublisherSockets"]
+
+
+def _noop() -> None:
+    pass
 
 
 def _attach(sock: zmq.Socket[Any], endpoint: str, *, bind: bool, what: str) -> str:
@@ -76,18 +81,20 @@ class PublisherSockets:
         self._releases: list[Callable[[], None]] = []
         self.router: zmq.Socket[Any] | None = None
         self.monitor: zmq.Socket[Any] | None = None
-        # An XPUB speaks PUB's protocol; with XPUB_VERBOSER it also delivers every
-        # subscription and unsubscription (including those of a peer that went away),
-        # which :mod:`~kvevents.publishers.subscriptions` counts.
-        self.pub: zmq.Socket[Any] = self.context.socket(zmq.XPUB)
+        self.bind = bind
+        self.hwm_messages = hwm_messages
+        """The PUB socket's ``SNDHWM`` (messages)."""
+        self._max_subscription_bytes = max_subscription_bytes
+        self._curve = curve
+        self.attach_pending = False
+        """Whether a re-created PUB socket still has to bind (its address was busy)."""
         try:
-            self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
-            self.pub.set_hwm(hwm_messages)
-            # Subscribers only send subscriptions (a topic prefix): a bigger frame makes
-            # ZeroMQ drop that peer before allocating it.
-            self.pub.setsockopt(zmq.MAXMSGSIZE, max_subscription_bytes)
-            self._releases.append(apply_curve_server(self.pub, curve))
-            enable_ipv6_if_needed(self.pub, endpoint)
+            self.pub, self._pub_release = self._open_pub(endpoint, hwm_messages)
+        except BaseException:
+            if self.own_context:
+                self.context.term()
+            raise
+        try:
             self.endpoint = _attach(self.pub, endpoint, bind=bind, what="PUB")
             """The PUB socket's resolved address."""
             self.replay_endpoint: str | None = None
@@ -110,6 +117,66 @@ class PublisherSockets:
                 self.context.term()
             raise
 
+    def _open_pub(
+        self, endpoint: str, hwm_messages: int
+    ) -> tuple[zmq.Socket[Any], Callable[[], None]]:
+        """A PUB socket configured but not yet bound or connected, and the release of
+        its CURVE resources.  Raises :class:`ConfigError` (the socket closed) when the
+        CURVE keys cannot be read."""
+        # An XPUB speaks PUB's protocol; with XPUB_VERBOSER it also delivers every
+        # subscription and unsubscription (including those of a peer that went away),
+        # which :mod:`~kvevents.publishers.subscriptions` counts.
+        pub: zmq.Socket[Any] = self.context.socket(zmq.XPUB)
+        try:
+            pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+            pub.set_hwm(hwm_messages)
+            # Subscribers only send subscriptions (a topic prefix): a bigger frame makes
+            # ZeroMQ drop that peer before allocating it.
+            pub.setsockopt(zmq.MAXMSGSIZE, self._max_subscription_bytes)
+            release = apply_curve_server(pub, self._curve)
+        except BaseException:
+            pub.close(linger=0)
+            raise
+        try:
+            enable_ipv6_if_needed(pub, endpoint)
+        except BaseException:
+            pub.close(linger=0)
+            release()
+            raise
+        return pub, release
+
+    def reopen_pub(self, hwm_messages: int) -> None:
+        """Replace the PUB socket by a new one with ``SNDHWM`` ``hwm_messages``, bound or
+        connected to the same address.
+
+        The old socket is closed with linger 0 (what its queues held is dropped; its
+        peers reconnect to the new one by themselves).  The mark is never changed on a
+        socket with peers: libzmq would push it to pipes being torn down.  When the
+        address is still held by the old listener, :attr:`attach_pending` is set and
+        :meth:`retry_attach` binds later.  Raises :class:`ConfigError` (the old socket
+        kept) when the new one cannot be configured."""
+        new, release = self._open_pub(self.endpoint, hwm_messages)
+        self.pub.close(linger=0)
+        self._pub_release()
+        self.pub, self._pub_release = new, release
+        self.hwm_messages = hwm_messages
+        self.attach_pending = True
+        self.retry_attach()
+
+    def retry_attach(self) -> bool:
+        """Bind or connect a re-created PUB socket; True once it is (or was)."""
+        if not self.attach_pending:
+            return True
+        try:
+            if self.bind:
+                self.pub.bind(self.endpoint)
+            else:
+                self.pub.connect(self.endpoint)
+        except zmq.ZMQError:
+            return False
+        self.attach_pending = False
+        return True
+
     def close(self, linger_ms: int) -> None:
         """Close the monitor and ROUTER at once and the PUB with ``linger_ms``; release
         the CURVE resources.  The context is left to the caller."""
@@ -122,7 +189,8 @@ class PublisherSockets:
                 self.router.close(linger=0)
             self.pub.close(linger=linger_ms)
         finally:
-            for release in self._releases:
+            for release in [self._pub_release, *self._releases]:
                 with contextlib.suppress(Exception):
                     release()
             self._releases.clear()
+            self._pub_release = _noop

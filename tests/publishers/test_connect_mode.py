@@ -132,3 +132,48 @@ def test_the_hold_refuses_beyond_its_bytes() -> None:
     assert not hold.hold(2, b"1", 1)
     assert [seq for seq, _, _ in hold.release()] == [0, 1]
     assert hold.held_bytes == 0
+
+
+def test_a_socket_recreated_by_the_byte_budget_holds_its_head_again(
+    ctx: zmq.Context[Any],
+) -> None:
+    """Batches far above the hint make the live byte budget re-create the PUB socket,
+    which connects out again; what is published until the collector's subscription
+    comes back over the new connection is held and sent, and the stream goes on."""
+    sub, port = collector(ctx)
+    with ZmqEventPublisher(
+        endpoint=f"tcp://127.0.0.1:{port}",
+        live_max_client_bytes=1024 * 1024,
+        live_batch_bytes_hint=16,
+        warn_interval_s=3600,
+    ) as pub:
+        assert not pub.binds
+        n = 0
+        while True:
+            pub.publish(removed_batch(n))
+            n += 1
+            wait_until(lambda: pub.queue_size == 0)
+            pub._pause_sender()  # the round that sent it (and re-created) is over
+            if pub.stats.live_recreations:
+                break
+            # Until the re-creation the collector reads as it goes; after it, it is not
+            # touched until the five batches below are published, so its subscription
+            # cannot reach the new connection before them (libzmq attaches a bound
+            # socket's new peer in the application's thread).
+            while sub.poll(0):
+                sub.recv_multipart()
+            pub._resume_sender()
+        assert dict(pub.stats.live_recreation_reasons) == {"batch_size": 1}
+        held_before = pub.stats.head_batches_held
+        after = n
+        for _ in range(5):
+            pub.publish(removed_batch(n))
+            n += 1
+        pub._resume_sender()
+        wait_until(lambda: pub.stats.head_batches_held == held_before + 5, what="the head held")
+        seen: list[int] = []
+        while after + 4 not in seen:
+            seen.append(unpack_seq(recv(sub)[1]))
+        # Held until the subscription came back, then sent in order: none of the five lost.
+        assert [s for s in seen if s >= after] == list(range(after, after + 5))
+    sub.close()

@@ -1,17 +1,17 @@
 """What stalled subscribers can make the publisher hold: a byte budget, not a message count.
 
-A publisher in a subprocess sends ~15 kB batches at 1,000 a second to 20 SUB connections
-that never read; its resident memory is read from ``/proc`` as it goes.  Without the
-budget every batch stayed queued for them (about 15 MiB more per second, without end);
-with it the growth goes flat once the queues hold what the budget allows.
+A publisher in a subprocess sends ~14 kB batches at 1,000 a second while 20 SUB
+connections that never read stall one after another (``benchmarks/live_budget.py``'s
+scenario); its resident memory is read from ``/proc`` as it goes.  With the mark fixed
+each stalled queue held other batches and the growth went on until 20 marks were full;
+now the socket is re-created with a smaller mark as subscribers come, the growth goes
+flat within the budget, and a healthy subscriber alongside repairs the gaps by replay.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import logging
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,45 +22,14 @@ from pubtest_helpers import recv, removed_batch, subscribe, wait_until
 
 from kvevents.codec import unpack_seq
 from kvevents.publishers import ZmqEventPublisher
+from kvevents.publishers.live_budget import BLOCK_BATCHES, LiveBudget
+from kvevents.publishers.publisher_stats import PublisherStats
+from kvevents.ratelimit import RateLimitedLog
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import live_budget  # the scenario the benchmark measures
+
 MiB = 1024 * 1024
-
-PUBLISHER = textwrap.dedent(
-    """
-    import json, sys, time
-    from kvevents.events import BlockStored, KVEventBatch
-    from kvevents.publishers import ZmqEventPublisher
-
-    total, rate, budget = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-    pub = ZmqEventPublisher(endpoint="tcp://127.0.0.1:0", bind=True, live_max_client_bytes=budget)
-    print(pub.endpoint, flush=True)
-    sys.stdin.readline()  # the subscribers are connected
-    tokens = list(range(100_000, 103_000))  # ~15 kB encoded
-
-    def batch(i):
-        hashes = [i * 1000 + j for j in range(16)]
-        return KVEventBatch(float(i), [BlockStored(hashes, None, tokens, 16, None, "GPU", None)])
-
-    start = time.monotonic()
-    n = 0
-    while n < total:
-        due = min(total, int((time.monotonic() - start) * rate) + 1)
-        while n < due:
-            pub.publish(batch(n))
-            n += 1
-            if n % 500 == 0:
-                while pub.queue_size:  # so the count printed has reached the socket
-                    time.sleep(0.001)
-                print("published", n, flush=True)
-                sys.stdin.readline()  # the parent has read our memory
-        time.sleep(0.001)
-    stats = {k: v for k, v in vars(pub.stats).items() if isinstance(v, int)}
-    print(json.dumps(stats), flush=True)
-    sys.stdin.readline()
-    pub.shutdown(0)
-    """
-)
 
 
 @pytest.fixture
@@ -70,82 +39,53 @@ def ctx() -> Iterator[zmq.Context[Any]]:
     context.destroy(linger=0)
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-def test_twenty_stalled_subscribers_pin_no_more_than_the_budget(ctx: zmq.Context[Any]) -> None:
-    total = 4000
-    child = subprocess.Popen(
-        [sys.executable, "-c", PUBLISHER, str(total), "1000", str(8 * MiB)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
+def test_twenty_subscribers_stalled_apart_pin_no_more_than_the_budget() -> None:
+    """20 SUBs that never read connect one every 0.4 s to a publisher sending ~14 kB
+    batches at 1,000 a second (each stalls at another point of the stream, so each
+    holds other batches: up to 20 x 505 batches with the mark fixed, ~130 MiB); the
+    publisher re-creates its socket as they come, its RSS goes flat within the 32 MiB
+    budget (plus the 42 MiB ring), and a healthy subscriber alongside ends with every
+    seq and the engine's index."""
+    budget, per_client, ring = 32 * MiB, 8 * MiB, 3000
+    run = live_budget.run_scenario(
+        publisher={"live_max_client_bytes": per_client, "live_max_bytes_in_flight": budget},
+        subscribers=20,
+        stagger_s=0.4,
+        seconds=12.0,
+        ring=ring,
     )
-    assert child.stdin is not None and child.stdout is not None
-    stalled = []
-    try:
-        endpoint = child.stdout.readline().strip()
-        for _ in range(20):
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 1)
-            sub.setsockopt(zmq.RCVBUF, 4096)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(endpoint)
-            stalled.append(sub)  # never read
-        base = rss_bytes(child.pid)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        growth: dict[int, int] = {}
-        for line in child.stdout:
-            if not line.startswith("published"):
-                stats = json.loads(line)
-                break
-            growth[int(line.split()[1])] = rss_bytes(child.pid) - base
-            child.stdin.write("\n")
-            child.stdin.flush()
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.wait(60) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdin.close()
-        child.stdout.close()
-        for sub in stalled:
-            sub.close()
-    table = {n: round(g / MiB, 1) for n, g in growth.items()}
-    # 2,000 more batches of ~15 kB would be ~29 MiB without a budget.
-    assert growth[total] - growth[total // 2] < 6 * MiB, table
-    assert growth[total] < 8 * MiB + 8 * MiB, table  # the budget, and the allocator's slack
-    assert stats["live_subscribers"] == 20
-    assert stats["live_hwm"] == 8 * MiB // (16 * 1024 + 8 + 3 * 64)
-    # 20 queues of 505 batches of ~15 kB could hold 150 MiB if they had stalled apart.
-    assert stats["live_pinned_bytes_bound"] <= 256 * MiB
-    assert stats["live_budget_overruns"] == 0
-    assert stats["batches_published"] == total
+    table = [(t, round(g / MiB, 1)) for t, g in run["rss"]]
+    stats, healthy = run["stats"], run["healthy"]
+    end = run["rss"][-1][1]
+    ring_bytes = ring * 15_000
+    assert end < budget + ring_bytes + 8 * MiB, table  # the allocator's slack
+    # Flat once the last subscriber stalled (8 s): no more than a burst's worth later.
+    assert end - live_budget.growth_at(run["rss"], 9.0) * MiB < 4 * MiB, table
+    assert healthy["missing"] == 0, healthy
+    assert healthy["index_equal"], healthy
+    # Halving at 5, 10 and 19 subscribers (8 MiB each, then 32 MiB / n): log2 bounded.
+    base = per_client // (16 * 1024 + 8 + 3 * 64)
+    assert 1 <= stats["live_recreations"] <= base.bit_length(), stats
+    assert set(stats["live_recreation_reasons"]) == {"subscribers"}, stats
+    assert stats["live_pinned_bytes_bound"] <= budget, stats
+    assert stats["live_budget_overruns"] == 0, stats
+    assert stats["batches_published"] == run["total"]
 
 
-def test_the_mark_is_fixed_and_the_bound_follows_batch_size_and_subscribers(
+def test_batches_far_above_the_hint_shrink_the_mark_and_subscribers_come_back(
     ctx: zmq.Context[Any],
 ) -> None:
-    """The mark comes from the budget and the hint before the socket opens and never
-    changes; the bound it gives follows the batch size seen and the subscriber count,
-    and going above the total budget is counted once per crossing."""
+    """The mark comes from the budget and a hint far below the batches sent; the first
+    block of batches re-creates the socket with a mark the budget allows (reason
+    ``batch_size``), and the subscribers reconnect by themselves and go on receiving."""
     with ZmqEventPublisher(
         endpoint="tcp://127.0.0.1:0",
         bind=True,
         live_max_client_bytes=4 * MiB,
-        live_max_bytes_in_flight=4 * MiB,
-        live_batch_bytes_hint=16,  # far below the batches sent
+        live_max_bytes_in_flight=16 * MiB,  # 4 subscribers: 4 MiB each
+        live_batch_bytes_hint=16,
+        warn_interval_s=3600,
     ) as pub:
         hwm = 4 * MiB // (16 + 8 + 3 * 64)
         assert pub.stats.live_hwm == hwm
@@ -164,23 +104,75 @@ def test_the_mark_is_fixed_and_the_bound_follows_batch_size_and_subscribers(
 
             wait_until(step, what="the budget to follow")
 
-        publish_until(lambda: pub.stats.live_subscribers == 4)
+        publish_until(lambda: pub.stats.live_recreations >= 1)
         size = pub.stats.live_batch_bytes
         assert size > 16
-        assert pub.stats.live_pinned_bytes_bound == hwm * (size + 8 + 3 * 64) * 4
-        # Batches bigger than the hint: the queues could pin more than 4 MiB; warned, once.
-        assert pub.stats.live_budget_overruns == 1
-        for sub in subs[2:]:
+        allowed = 4 * MiB // (size + 8 + 3 * 64)
+        assert pub.stats.live_recreation_reasons["batch_size"] == 1
+        assert pub.stats.live_hwm <= allowed
+        # Back: each subscriber receives a batch published after the re-creation.
+        after = n
+        for sub in subs:
+            while True:
+                pub.publish(removed_batch(n))
+                n += 1
+                if sub.poll(20) and unpack_seq(recv(sub)[1]) >= after:
+                    break
+        publish_until(lambda: pub.stats.live_subscribers == 4)
+        assert pub.stats.live_pinned_bytes_bound <= 16 * MiB
+        assert pub.stats.live_recreations == 1
+        assert pub.stats.live_budget_overruns == 0
+        assert not other.poll(0)
+        for sub in [*subs, other]:
             sub.close()
-        publish_until(lambda: pub.stats.live_subscribers == 2)
-        assert pub.stats.live_hwm == hwm
-        assert pub.stats.live_pinned_bytes_bound == hwm * (size + 8 + 3 * 64) * 2
-        for sub in subs[:2]:
-            while sub.poll(0):
-                sub.recv_multipart()
-        other.close()
-        for sub in subs[:2]:
-            sub.close()
+
+
+def test_the_mark_grows_back_only_after_a_cooldown_and_a_bounded_number_of_times() -> None:
+    """The decision alone (no socket): a smaller mark as soon as the budget is exceeded,
+    halving from the base; a larger one only with four times the room, after the
+    cooldown, with a factor of two to spare; subscribers coming and going every second
+    for ten minutes re-create the socket at most twice a cooldown."""
+    now = [0.0]
+    stats = PublisherStats()
+    budget = LiveBudget(
+        stats,
+        RateLimitedLog(logging.getLogger("test"), 3600),
+        hwm=1024,
+        per_subscriber_bytes=1024 * 1000,
+        total_bytes=4096 * 1000,
+        batch_bytes_hint=1000 - 8 - 3 * 64,
+        envelope_bytes=8,
+        grow_after_s=60.0,
+        clock=lambda: now[0],
+    )
+    assert budget.wanted is None
+    budget.set_subscribers(4)
+    assert budget.wanted is None  # 4 x 1024 batches of 1,000 bytes: the budget exactly
+    budget.set_subscribers(5)
+    assert budget.wanted == (512, "subscribers")
+    budget.recreated(512)
+    budget.set_subscribers(5)
+    assert budget.wanted is None
+    for _ in range(BLOCK_BATCHES):  # batches 3x bigger: 512 x 3,000 x 5 > 4,096,000
+        budget.observe(3000 - 8 - 3 * 64)
+    assert budget.wanted == (256, "batch_size")
+    budget.recreated(256)
+    budget.set_subscribers(1)
+    for _ in range(40 * BLOCK_BATCHES):  # 500 bytes: followed slowly
+        budget.observe(500 - 8 - 3 * 64)
+    assert budget.wanted is None  # room for 4 x 256, but within the cooldown
+    now[0] += 61
+    budget.set_subscribers(1)
+    assert budget.wanted == (512, "grow")  # a factor of two to spare
+    budget.recreated(512)
+    recreations = 0
+    for second in range(600):
+        now[0] += 1
+        budget.set_subscribers(1 if second % 2 else 40)
+        if budget.wanted is not None:
+            budget.recreated(budget.wanted[0])
+            recreations += 1
+    assert recreations <= 2 * 600 // 60 + 2
 
 
 def test_without_a_budget_the_configured_hwm_stays(ctx: zmq.Context[Any]) -> None:
