@@ -107,6 +107,28 @@ def test_raw_frame_capture_with_interleaved_replay_is_merged(tmp_path):
     assert sub.stats.dropped["replay_overlap"] == 2
 
 
+def test_a_recorded_catch_up_with_live_records_inside_it_reads_back_without_a_gap(tmp_path):
+    """The recorder joined late and caught up: its catch-up's replies 0..2 were read, then
+    live 10 (on the other socket), then the rest of the catch-up 3..9 and its end marker.
+    Read back, that is the catch-up it was, not a gap at seq 3."""
+    path = tmp_path / "late-join.kvcap"
+    payloads = {i: encode_batch(make_batch(i)) for i in range(12)}
+    with CaptureWriter(path) as w:
+        for i in (0, 1, 2):
+            w.write("engine", b"t", i, payloads[i], replayed=True)
+        w.write("engine", b"t", 10, payloads[10])
+        for i in range(3, 10):
+            w.write("engine", b"t", i, payloads[i], replayed=True)
+        w.write("engine", b"", -1, b"", replayed=True)  # the recorded end marker
+        w.write("engine", b"t", 11, payloads[11])
+    with Subscriber(CaptureSource(str(path))) as sub:
+        items = list(sub)
+    assert summarize(items) == [f"B{i}r" for i in range(10)] + ["B10", "B11"]
+    assert [i.payload for i in items if isinstance(i, ReceivedBatch)] == [
+        payloads[i] for i in range(12)
+    ]
+
+
 def test_capture_with_many_sources_and_bad_records(tmp_path):
     path = tmp_path / "multi.kvcap"
     with CaptureWriter(path) as w:

@@ -2,10 +2,13 @@
 replayed records it holds after a gap are the replay that answered it.
 
 One job: :class:`InbandReplays`.  The replays its streams' trackers ask for are awaited
-here too (a capture's streams are replayed in band only).  A recorded replay ends at a recorded end marker, at the
-first live record after a reply, or when no reply came within ``inband_window`` live
-records (the gap was never repaired, and is reported lost).  May import the subscriber's
-tables and outbox.
+here too (a capture's streams are replayed in band only).  A capture records frames in
+the order they were read, so live records interleave with a replay's replies (as they did
+on the recorder's two sockets).  A recorded replay ends at its recorded end marker, or
+when ``inband_window`` live records followed its start without it (a capture that holds
+no end markers; a gap never repaired is then reported lost).  A stream whose first
+record is a replayed one was caught up by the recorder: that catch-up is awaited in band
+too.  May import the subscriber's tables and outbox.
 """
 
 from __future__ import annotations
@@ -54,13 +57,20 @@ class InbandReplays:
         recorded reply, or a stale replayed record dropped); False when the caller
         applies it as a live batch."""
         job = self.jobs.get(key)
+        if job is None and msg.replayed and tracker.last is None:
+            # the recorder's catch-up of a stream it joined: its live records may come
+            # before the catch-up's end marker, as they did when it was recorded
+            req = tracker.catch_up()
+            if req is not None:
+                self.start(key, self.streams[key], req)
+                job = self.jobs[key]
         if job is not None:
             if msg.replayed:
                 job.replies += 1
                 self._apply(key, tracker.replayed(job.replay_id, msg.seq, item, fingerprint))
                 return True
             job.waited += 1
-            if job.replies or job.waited > self.inband_window:
+            if job.waited > self.inband_window:
                 self.end_job(key, job)
         elif msg.replayed and tracker.last is not None and msg.seq <= tracker.last:
             self.outbox.stats.dropped["stale_replay"] += 1
