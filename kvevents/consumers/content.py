@@ -74,6 +74,7 @@ __all__ = [
     "request_keys",
     "root_key",
     "split_extras",
+    "store_tokens",
 ]
 
 ROOT_KEY = 0
@@ -273,6 +274,19 @@ class StoreTokens:
         return _chain_block_packed(
             parent, packed[8 * start : 8 * (start + size)], self.unit, extras
         )
+
+
+def store_tokens(tokens: Sequence[int], unit: int) -> StoreTokens:
+    """The :class:`StoreTokens` of one event's token ids.  A sequence that makes its own
+    (a ``store_tokens(unit)`` method: the compiled core's token ids of
+    :mod:`kvevents.consumers.index.bulk`, already packed, with native keys) is asked
+    for it; its keys must equal :meth:`StoreTokens.block_key`'s."""
+    if type(tokens) is not list:
+        own = getattr(tokens, "store_tokens", None)
+        if own is not None:
+            made: StoreTokens = own(unit)
+            return made
+    return StoreTokens(tokens, unit)
 
 
 def lookahead_mm(extras: EventExtras | None, block_size: int) -> list[tuple[str, int]]:

@@ -1,11 +1,14 @@
 // kvevents-native: the Python module (nanobind).
 //
 // One job: expose the wire parser (parse_batch -> ParsedBatch or None) and the content-key
-// kernels (prompt_keys, chain_units, ParsedBatch.block_keys) to kvevents.  Python objects
-// are built only when asked for (ParsedBatch.event, for the differential tests and the
-// fallback); the parse itself allocates none.
+// kernels (prompt_keys, chain_units, ParsedBatch.block_keys and .chain_blocks) to kvevents.
+// Python objects are built only when asked for (ParsedBatch.event, for the differential
+// tests and the fallback; ParsedBatch.ops, the batch as BlockIndex.apply_payload applies
+// it: a run of GPU removals is one item, token ids stay bytes); the parse itself
+// allocates none.
 #include <nanobind/nanobind.h>
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,7 +109,130 @@ class ParsedBatch {
     return nb::steal(out);
   }
 
+  // The batch as the index applies it, one item per step (no event objects):
+  //   (0, i, hashes, parent, token_bytes, block_size, lora_id, medium, lora_name,
+  //    extra_keys_raw, group_idx, spec_kind, window, locality, ownership, session_id,
+  //    lookahead_raw)                                    a BlockStored (event i);
+  //   (1, hashes, medium, group_idx, locality, ownership) a BlockRemoved not on "GPU";
+  //   (2,)                                                an AllBlocksCleared;
+  //   (3, count, group, hashes)   ``count`` consecutive BlockRemoved with medium "GPU"
+  //                               of one group (``group_idx or 0``), hashes in order.
+  // token_bytes are the ids as little-endian int64; the raw fields are msgpack bytes.
+  nb::object ops() const {
+    nb::list out;
+    const size_t n = b_.events.size();
+    size_t i = 0;
+    while (i < n) {
+      const kvn::Event& e = b_.events[i];
+      if (e.kind == kvn::Kind::Removed && gpu(e)) {
+        const int64_t group = e.group_idx.has ? e.group_idx.v : 0;
+        size_t j = i;
+        size_t nh = 0;
+        while (j < n && b_.events[j].kind == kvn::Kind::Removed && gpu(b_.events[j]) &&
+               (b_.events[j].group_idx.has ? b_.events[j].group_idx.v : 0) == group) {
+          nh += b_.events[j].nh;
+          ++j;
+        }
+        PyObject* l = PyList_New(static_cast<Py_ssize_t>(nh));
+        if (!l) throw nb::python_error();
+        nb::object hs = nb::steal(l);
+        size_t k = 0;
+        for (size_t x = i; x < j; ++x) {
+          const kvn::Event& r = b_.events[x];
+          for (uint32_t y = 0; y < r.nh; ++y) {
+            PyObject* h = hash(b_.hashes[r.h0 + y]);
+            if (!h) throw nb::python_error();
+            PyList_SET_ITEM(l, static_cast<Py_ssize_t>(k++), h);
+          }
+        }
+        out.append(nb::make_tuple(3, j - i, group, hs));
+        i = j;
+        continue;
+      }
+      switch (e.kind) {
+        case kvn::Kind::Stored: {
+          PyObject* t = PyTuple_New(17);
+          if (!t) throw nb::python_error();
+          nb::object own = nb::steal(t);
+          PyTuple_SET_ITEM(t, 0, PyLong_FromLong(0));
+          PyTuple_SET_ITEM(t, 1, PyLong_FromSize_t(i));
+          PyTuple_SET_ITEM(t, 2, hashes(e));
+          PyTuple_SET_ITEM(t, 3, e.has_parent ? hash(e.parent) : none());
+          PyTuple_SET_ITEM(t, 4, PyBytes_FromStringAndSize(
+                                     reinterpret_cast<const char*>(b_.tokens.data() + e.t0),
+                                     static_cast<Py_ssize_t>(e.nt) * 8));
+          PyTuple_SET_ITEM(t, 5, PyLong_FromLongLong(e.block_size));
+          PyTuple_SET_ITEM(t, 6, opt_int(e.lora_id));
+          PyTuple_SET_ITEM(t, 7, opt_str(e.medium));
+          PyTuple_SET_ITEM(t, 8, opt_str(e.lora_name));
+          PyTuple_SET_ITEM(t, 9, e.has_extra ? raw(e.extra) : none());
+          PyTuple_SET_ITEM(t, 10, opt_int(e.group_idx));
+          PyTuple_SET_ITEM(t, 11, opt_str(e.spec_kind));
+          PyTuple_SET_ITEM(t, 12, opt_int(e.window));
+          PyTuple_SET_ITEM(t, 13, opt_str(e.locality));
+          PyTuple_SET_ITEM(t, 14, opt_str(e.ownership));
+          PyTuple_SET_ITEM(t, 15, opt_str(e.session_id));
+          PyTuple_SET_ITEM(t, 16, e.has_lookahead ? raw(e.lookahead) : none());
+          for (Py_ssize_t x = 0; x < 17; ++x)
+            if (!PyTuple_GET_ITEM(t, x)) throw nb::python_error();
+          out.append(own);
+          break;
+        }
+        case kvn::Kind::Removed: {
+          PyObject* t = PyTuple_New(6);
+          if (!t) throw nb::python_error();
+          nb::object own = nb::steal(t);
+          PyTuple_SET_ITEM(t, 0, PyLong_FromLong(1));
+          PyTuple_SET_ITEM(t, 1, hashes(e));
+          PyTuple_SET_ITEM(t, 2, opt_str(e.medium));
+          PyTuple_SET_ITEM(t, 3, opt_int(e.group_idx));
+          PyTuple_SET_ITEM(t, 4, opt_str(e.locality));
+          PyTuple_SET_ITEM(t, 5, opt_str(e.ownership));
+          for (Py_ssize_t x = 0; x < 6; ++x)
+            if (!PyTuple_GET_ITEM(t, x)) throw nb::python_error();
+          out.append(own);
+          break;
+        }
+        default: out.append(nb::make_tuple(2)); break;
+      }
+      ++i;
+    }
+    return out;
+  }
+
+  // Up to ``limit`` chain keys of BlockStored ``i``'s consecutive blocks of ``size``
+  // tokens from token ``start``, the first chained on ``parent``, ``unit`` tokens per
+  // key (no extra keys); as many as whole blocks remain.  None when ``size`` is not a
+  // positive multiple of a positive ``unit`` or ``start`` is outside the tokens.
+  nb::object chain_blocks(size_t i, int64_t start, int64_t size, uint64_t parent, int64_t unit,
+                          int64_t limit) const {
+    const kvn::Event& e = at(i);
+    if (e.kind != kvn::Kind::Stored || unit <= 0 || size <= 0 || size % unit != 0 ||
+        start < 0 || start > static_cast<int64_t>(e.nt) || limit < 0)
+      return nb::none();
+    const int64_t avail = (static_cast<int64_t>(e.nt) - start) / size;
+    const int64_t count = avail < limit ? avail : limit;
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(count));
+    if (!out) throw nb::python_error();
+    nb::object own = nb::steal(out);
+    const size_t per = static_cast<size_t>(size / unit);
+    const int64_t* t = b_.tokens.data() + e.t0 + start;
+    uint64_t k = parent;
+    for (int64_t j = 0; j < count; ++j) {
+      k = kvn::chain_units(k, t + j * size, per, static_cast<size_t>(unit));
+      PyObject* v = PyLong_FromUnsignedLongLong(k);
+      if (!v) throw nb::python_error();
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(j), v);
+    }
+    return own;
+  }
+
  private:
+  bool gpu(const kvn::Event& e) const { return e.medium.has && reader_eq(e.medium.s, "GPU"); }
+  bool reader_eq(const kvn::Span& s, const char* want) const {
+    const size_t n = std::strlen(want);
+    return s.len == n && std::memcmp(data_ + s.off, want, n) == 0;
+  }
   const kvn::Event& at(size_t i) const {
     if (i >= b_.events.size()) throw nb::index_error("event index out of range");
     return b_.events[i];
@@ -244,7 +370,12 @@ NB_MODULE(_core, m) {
       .def("kind", &ParsedBatch::kind, nb::arg("i"))
       .def("event", &ParsedBatch::event, nb::arg("i"))
       .def("block_keys", &ParsedBatch::block_keys, nb::arg("i"), nb::arg("parent"),
-           nb::arg("unit"));
+           nb::arg("unit"))
+      .def("ops", &ParsedBatch::ops,
+           "The batch as the index applies it: one tuple per step (see module.cpp).")
+      .def("chain_blocks", &ParsedBatch::chain_blocks, nb::arg("i"), nb::arg("start"),
+           nb::arg("size"), nb::arg("parent"), nb::arg("unit"), nb::arg("limit"),
+           "Chain keys of consecutive blocks of BlockStored ``i`` from token ``start``.");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
-mutations, the content keys, the walk and the assembly.  Checks nothing itself; the
-sanitizers do."""
+mutations (with the apply steps and chained keys of what it reads), the content keys,
+the walk and the assembly.  Checks nothing itself; the sanitizers do."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ for i in range(rounds):
         for j in range(len(parsed)):
             parsed.event(j)
             parsed.block_keys(j, rng.getrandbits(64), rng.choice([1, 2, 16]))
+            parsed.chain_blocks(j, rng.randrange(-2, 40), rng.randrange(-1, 20),
+                                rng.getrandbits(64), rng.choice([-1, 0, 1, 2, 16]),
+                                rng.randrange(-1, 70))  # fmt: skip
+        parsed.ops()
 
 for _ in range(rounds):
     toks = [rng.randrange(-(2**63), 2**63) for _ in range(rng.randrange(80))]

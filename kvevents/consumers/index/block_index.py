@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvevents.consumers.index.apply import Feeder
+from kvevents.consumers.index.bulk import PayloadStats, apply_payload, payload_stats
 from kvevents.consumers.index.eviction import QueueItem
 from kvevents.consumers.index.join import EntryKey
 from kvevents.consumers.index.layout import IndexLayout, build_layout
@@ -163,6 +164,26 @@ class BlockIndex:
     def apply(self, source: str, dp_rank: int, batch: KVEventBatch) -> None:
         """Apply every event of ``batch`` from worker ``(source, dp_rank)`` in order."""
         self._feed.apply(source, dp_rank, batch)
+
+    def apply_payload(
+        self, source: str, dp_rank: int, payload: bytes | bytearray | memoryview
+    ) -> None:
+        """Apply one raw payload frame (vLLM's msgpack ``KVEventBatch``, every shape
+        :class:`~kvevents.codec.BatchDecoder` reads) from worker ``(source, dp_rank)``:
+        the same as ``apply(source, dp_rank, BatchDecoder().decode(payload))``, state and
+        counters alike.  With the compiled core the payload is read natively (no
+        event object per GPU removal, token ids never turned into Python ints, content
+        keys chained natively); a shape it does not read goes through the Python
+        decoder, counted in :attr:`payload_stats`.  Raises
+        :class:`~kvevents.errors.DecodeError` for a malformed payload, having applied
+        nothing of it."""
+        apply_payload(self._feed, source, dp_rank, payload)
+
+    @property
+    def payload_stats(self) -> PayloadStats:
+        """How :meth:`apply_payload` read its payloads (natively, by the Python decoder,
+        fallbacks) and the Python decoder's counters.  Not part of snapshots."""
+        return payload_stats(self._feed)
 
     def apply_event(self, worker: WorkerId, event: KVEvent) -> None:
         """Apply one event from ``worker``."""

@@ -25,12 +25,12 @@ from collections.abc import Sequence
 
 from kvevents.consumers.content import (
     ROOT_KEY,
-    StoreTokens,
     chain_units,
     lookahead_key,
     lookahead_mm,
     root_key,
     split_extras,
+    store_tokens,
 )
 from kvevents.consumers.index.records import (
     Hash,
@@ -111,7 +111,7 @@ class _StoreRun:
         self.key = key
         self.end = end
         self.parent: Hash | None = ev.parent_block_hash
-        self.tokens = StoreTokens(ev.token_ids, feed.canonical_block_size) if keyed else None
+        self.tokens = store_tokens(ev.token_ids, feed.canonical_block_size) if keyed else None
         self.pending = w.wid in feed.pending.per_worker
         # a new GPU record is made holding its first GPU reference (RefRules.ref's
         # ``held``) unless a placeholder may join it before that reference
