@@ -130,7 +130,7 @@ def _pct(s: list[float], q: float) -> float:
 def use_core(on: bool) -> None:
     """Switch the compiled prompt keys and walk on or off (the rest is Python anyway)."""
     content.NATIVE = kn if on else None
-    walk_module.walk = kn.walk if on else walk_module.python_walk
+    walk_module.walk = walk_module.named_walk(kn.walk) if on else walk_module.python_walk
 
 
 def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:

@@ -221,7 +221,13 @@ inline bool any(const Bits& b) {
 }
 
 // walk(ks, get, step, unit, first, starts, aligned, end, pos_bits, nxt) ->
-// (credited, next starts, next aligned): see kvevents.consumers.router.walk.walk.
+// (credited, next_starts, next_aligned), the fields of the Python walk's WalkResult (the
+// module's named_walk names them): see kvevents.consumers.router.walk.walk, whose
+// contract this follows step for step: the joins (``first`` at the first key, ``starts[j]``
+// at the key ending at unit j), the AND per key, and at each run end (``end_at`` there)
+// the credit rule, the next tier's starts and the per-slot ends.  With one next-tier class
+// (the usual fleet) its chunk boundary is tracked as the walk goes (``pend``); the result
+// is the Python's per-class rule.
 inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, PyObject* first,
                       PyObject* starts, PyObject* aligned, PyObject* end, PyObject* nxt) {
   try {
@@ -249,7 +255,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
     Bits first_b;
     read_bits(first, words, first_b, scratch);
     const bool has_first = any(first_b) || words_of(first) > 0;
-    // the joins, sorted by position
+    // the joins, sorted by position (the Python's _joins)
     std::vector<std::pair<int64_t, Bits>> joins;
     std::vector<std::pair<int64_t, Bits>> start_bits;  // for the credit rule, by position
     if (has_starts) {
@@ -354,8 +360,8 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
           }
           alive.swap(now);
           alive_any = any(alive);
-          if (changed) {
-            if (check) {
+          if (changed) {  // runs end at e (the Python's end_at)
+            if (check) {  // the credit rule
               while (sidx < start_bits.size() && start_bits[sidx].first < e) ++sidx;
               if (sidx < start_bits.size() && start_bits[sidx].first == e) {
                 const Bits& st = start_bits[sidx].second;
@@ -366,7 +372,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
                 }
               }
             }
-            if (nv) {
+            if (nv) {  // the next tier's starts: one class
               if (e >= nfirst) {
                 if (any(pend)) {
                   nstarts_or(nfirst, pend);
@@ -380,7 +386,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
                 pend[i] |= c;
                 if (al) naligned[i] |= c;
               }
-            } else if (!many.empty()) {
+            } else if (!many.empty()) {  // several classes
               for (auto& [vv, mask] : many) {
                 bool anyc = false;
                 for (size_t i = 0; i < words; ++i) {
@@ -394,7 +400,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
                 }
               }
             }
-            if (any(b)) {
+            if (any(b)) {  // the per-slot ends
               Ref tok = chk(PyLong_FromLongLong(e * unit));
               w.set_ends(b, tok.get());
             }

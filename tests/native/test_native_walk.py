@@ -86,7 +86,7 @@ def test_routers_answer_alike_with_either_walk(every: int, monkeypatch: pytest.M
     prompts = [prompt, prompt[:1000], prompt[:17], [rng.randrange(50_000) for _ in range(512)]]
     from kvevents.consumers.router.match import Match
 
-    monkeypatch.setattr(walk_module, "walk", kn.walk)
+    monkeypatch.setattr(walk_module, "walk", walk_module.named_walk(kn.walk))
     monkeypatch.setattr(walk_module, "assemble", kn.assembler(Match))
     native = [(router.find_matches(p), router.score(p)) for p in prompts]
     monkeypatch.setattr(walk_module, "walk", python_walk)

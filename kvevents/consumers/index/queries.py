@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from kvevents.consumers.index.layout import slot_indexable
 from kvevents.consumers.index.records import (
-    F_EXTRA,
-    F_LORA,
-    F_TOKENS,
     Hash,
     block_size,
     content_key,
     end_tokens,
+    extra_keys,
     gpu_refs,
+    lora_name,
     parent_of,
-    tuple_field,
+    token_ids,
 )
 from kvevents.consumers.index.stats import BlockInfo, ChunkSpan, TierSummary, WorkerSummary
 from kvevents.consumers.index.workers import TIERS, WorkerId, WorkerState
@@ -68,12 +67,12 @@ def block_info(
         start=end - block_size(m) if end is not None else None,
         end=end,
         parent=parent_of(m),
-        lora_name=tuple_field(m, F_LORA),
-        extra_keys=tuple_field(m, F_EXTRA),
+        lora_name=lora_name(m),
+        extra_keys=extra_keys(m),
         kind=gs.kind,
         tiers=tiers,
         indexed=content_key(m) is not None and slot_indexable(w, gs),
-        token_ids=tuple_field(m, F_TOKENS),
+        token_ids=token_ids(m),
         chunk=chunk,
     )
 

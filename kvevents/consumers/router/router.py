@@ -201,10 +201,11 @@ class Router:
         best: WorkerId | None
         n, wts, lw = len(tokens), self.weights, self.load_weight
         ends = self._simple_ends(tokens, key, lay)
-        if ends is not None and ends[3].bit_count() * 8 >= lay.nslots:
+        if ends is not None and ends.hit.bit_count() * 8 >= lay.nslots:
             # one slot in eight or more has a match: priced from the walk's per-slot
             # ends, without a Match per worker
-            wids, costs = slot_costs(lay.pos_wids, ends[:3], n, loads, wts, lw)
+            tiers = (ends.gpu, ends.cpu, ends.storage)
+            wids, costs = slot_costs(lay.pos_wids, tiers, n, loads, wts, lw)
             best = choose(wids, costs, ordered, known, n, loads, lw)
         elif ends is not None:  # (building the few matches costs less than pricing every slot)
             best = cheapest(assemble(lay, *ends), ordered, known, n, loads, wts, lw)
