@@ -171,7 +171,7 @@ def once(path: str, stream: list[tuple[int, bytes]]) -> None:
             decode(p)
     elif path == "python":
         run_python(stream)
-    elif path == "parse" and NATIVE is not None:
+    elif path == "parse" and NATIVE is not None and reads_natively():
         parse = NATIVE.parse_batch
         for _, p in stream:
             parse(p).ops()
@@ -243,7 +243,8 @@ def main() -> None:
                    rate["python"])
         )  # fmt: skip
     else:
-        print(f"apply_payload's native row skipped: {core_name()}")
+        why = core_name() if NATIVE is None else "this build lacks ParsedBatch.ops"
+        print(f"apply_payload's native row skipped ({why}): pip install ./native")
     print(f"resident (worker, tier, hash) entries at the end: {py_len:,}")
     report("follow", results)
 

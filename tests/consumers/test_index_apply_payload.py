@@ -349,7 +349,7 @@ def _refused(payload: bytes) -> bool:
     return False
 
 
-def test_resets_between_payloads_and_restored_snapshots() -> None:
+def test_resets_removed_workers_and_restored_snapshots() -> None:
     rng = random.Random(11)
     stream = random_stream(rng, 300)
     ours, spec = BlockIndex(max_blocks=40), BlockIndex(max_blocks=40)
@@ -358,6 +358,9 @@ def test_resets_between_payloads_and_restored_snapshots() -> None:
         if i % 50 == 49:
             ours.reset_worker((source, rank))
             spec.reset_worker((source, rank))
+        if i % 70 == 69:  # a worker removed comes back under the same id
+            ours.remove_worker((source, rank))
+            spec.remove_worker((source, rank))
         if i == 150:  # a restored index goes on applying payloads alike
             ours = BlockIndex.restore(ours.snapshot())
         try:
