@@ -5,8 +5,9 @@ serve`` (:mod:`kvevents.serve.config`), ``kvevents relay`` and the JetStream CLI
 imports only :mod:`kvevents.errors` and :mod:`kvevents.endpoints` (whose
 :func:`offset_endpoint` it re-exports).
 
-One engine is one publisher of KV events (one vLLM API server), written
-``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]``:
+One engine is one HTTP front of vLLM (one API server) and the KV-event publishers of the
+data-parallel ranks behind it, written
+``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;rank=R][;topic=T][;role=ROLE]``:
 
 * ``NAME`` matches ``[A-Za-z0-9_-]+`` (it is also a NATS subject token);
 * ``HTTP_URL`` (``http://`` or ``https://``) is where its OpenAI server answers; commands
@@ -14,15 +15,42 @@ One engine is one publisher of KV events (one vLLM API server), written
   apart by scheme, and commands that only forward HTTP accept ``NAME=HTTP_URL`` alone
   (``kvevents serve --nats``: the events come from JetStream);
 * ``EVENTS_ENDPOINT`` / ``REPLAY_ENDPOINT`` are the ZMQ endpoints of its publisher
-  (``tcp://``, ``ipc://`` or ``inproc://``);
-* ``;dp=N`` says the engine runs ``N`` data-parallel ranks; rank ``r`` publishes on the
-  endpoints offset by vLLM's rule (:func:`~kvevents.endpoints.offset_endpoint`: tcp port + r) and takes
-  requests on the same HTTP URL with the ``X-data-parallel-rank: r`` header;
+  (``tcp://``, ``ipc://`` or ``inproc://``) as vLLM's ``kv_events_config`` names them,
+  before vLLM moves them for a data-parallel rank;
+* ``;dp=N`` says the front serves ``N`` data-parallel ranks, ``;rank=R`` that the first of
+  them is global rank ``R`` (default 0): its ranks are ``R..R+N-1`` (:attr:`EngineSpec.ranks`).
+  Global rank ``r`` publishes on the endpoints offset by ``r``, vLLM's rule
+  (:func:`~kvevents.endpoints.offset_endpoint`: tcp port + r), and tags its batches
+  ``data_parallel_rank = r``; a request for it goes to the HTTP URL with the
+  ``X-data-parallel-rank: r - R`` header (:meth:`EngineSpec.http_rank`);
 * ``;topic=T`` subscribes to topic ``T`` only (several engines behind one proxy);
-* ``;role=R`` is what ``kvevents serve`` sends it in a prefill/decode disaggregated fleet:
+* ``;role=ROLE`` is what ``kvevents serve`` sends it in a prefill/decode disaggregated fleet:
   ``prefill`` (the first step of a disaggregated request), ``decode`` (the second, fed the
   prefill engine's KV through vLLM's KV connector) or ``both`` (the default: whole
   requests; see :data:`ROLES`).
+
+Why these rules (vLLM's code): every engine core process is started by
+``CoreEngineProcManager`` with ``dp_rank = start_index + i``, ``start_index`` being the
+front's ``parallel_config.data_parallel_rank``; ``EngineCoreProc.run_engine_core`` sets
+``parallel_config.data_parallel_index = dp_rank`` (kept when a dense model's ranks are
+made independent), and the scheduler creates its publisher with
+``EventPublisherFactory.create(kv_events_config, parallel_config.data_parallel_index)``.
+``ZmqEventPublisher`` both offsets its endpoints by that rank
+(``ZmqEventPublisher.offset_endpoint_port``) and writes it into each batch's
+``data_parallel_rank``: one global rank for both.  The HTTP front's client routes a
+request's ``data_parallel_rank`` as an index into the engines it manages
+(``DPLBAsyncMPClient.get_core_engine_for_request``; ``InputProcessor.process_inputs``
+refuses one outside ``[0, data_parallel_size_local)`` with external or hybrid load
+balancing, ``ParallelConfig.local_engines_only``).  So, per vLLM mode:
+
+* internal load balancing (``vllm serve --data-parallel-size N``, one front for all
+  ranks on one node): ``;dp=N``;
+* external load balancing (``--data-parallel-rank R``, or ``--data-parallel-external-lb``;
+  one front per rank, ``EngineArgs.create_engine_config`` sets its local size to 1): one
+  spec per front, ``;rank=R`` (``;dp=1``), with the ``kv_events_config`` endpoint given
+  to vLLM (it publishes on port + R);
+* hybrid load balancing (``--data-parallel-hybrid-lb --data-parallel-start-rank S
+  --data-parallel-size-local L``, one front per node): one spec per node, ``;rank=S;dp=L``.
 """
 
 from __future__ import annotations
@@ -38,6 +66,8 @@ __all__ = ["ENGINE_NAME_RE", "ROLES", "EngineSpec", "offset_endpoint", "parse_en
 ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+\Z")
 """What an engine name may contain."""
 
+_DIGITS = re.compile(r"^[0-9]+\Z")
+
 HTTP_SCHEMES = ("http://", "https://")
 """The schemes an engine's HTTP URL may have."""
 
@@ -47,7 +77,9 @@ ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
 """An engine's role in a prefill/decode disaggregated fleet (``both``: whole requests)."""
 
-USAGE = "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]"
+USAGE = (
+    "expected NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;rank=R][;topic=T][;role=ROLE]"
+)
 """The one-line form of an engine spec, quoted by every parse error."""
 
 
@@ -61,9 +93,12 @@ class EngineSpec:
     * ``events_endpoint``: its KV-event PUB endpoint (None: events come from elsewhere,
       e.g. JetStream); ``replay_endpoint``: its replay ROUTER endpoint (None: no replay;
       needs an events endpoint);
-    * ``dp_size``: how many data-parallel ranks publish at offset endpoints (≥ 1);
+    * ``dp_size``: how many data-parallel ranks its HTTP front serves, each publishing at
+      its offset endpoints (≥ 1);
     * ``topic``: the topic prefix subscribed to (``""``: all);
-    * ``role``: one of :data:`ROLES` (``both`` by default).
+    * ``role``: one of :data:`ROLES` (``both`` by default);
+    * ``first_rank``: the global data-parallel rank of the first of them (``;rank=R``,
+      ≥ 0, default 0): the spec's ranks are :attr:`ranks`.
 
     Every check raises :class:`ConfigError` (a ``ValueError``).  An empty endpoint or
     URL string means "not given".
@@ -76,6 +111,7 @@ class EngineSpec:
     dp_size: int
     topic: str
     role: str
+    first_rank: int
 
     def __init__(
         self,
@@ -86,6 +122,7 @@ class EngineSpec:
         dp_size: int = 1,
         topic: str = "",
         role: str = "both",
+        first_rank: int = 0,
     ) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "http_url", http_url.rstrip("/") if http_url else None)
@@ -94,6 +131,7 @@ class EngineSpec:
         object.__setattr__(self, "dp_size", dp_size)
         object.__setattr__(self, "topic", topic)
         object.__setattr__(self, "role", role)
+        object.__setattr__(self, "first_rank", first_rank)
         self._check()
 
     def _check(self) -> None:
@@ -116,12 +154,39 @@ class EngineSpec:
             raise ConfigError(f"engine {self.name}: dp must be an integer, not {self.dp_size!r}")
         if self.dp_size < 1:
             raise ConfigError(f"engine {self.name}: dp must be >= 1, not {self.dp_size}")
+        if isinstance(self.first_rank, bool) or not isinstance(self.first_rank, int):
+            raise ConfigError(
+                f"engine {self.name}: rank must be an integer, not {self.first_rank!r}"
+            )
+        if self.first_rank < 0:
+            raise ConfigError(f"engine {self.name}: rank must be >= 0, not {self.first_rank}")
         if self.role not in ROLES:
             raise ConfigError(
                 f"engine {self.name}: role must be one of {', '.join(ROLES)}, not {self.role!r}"
             )
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(f"engine {self.name}: a replay endpoint needs an events endpoint")
+        last = self.first_rank + self.dp_size - 1
+        for ep in (self.events_endpoint, self.replay_endpoint):
+            try:
+                offset_endpoint(ep, last)
+            except ConfigError as exc:
+                raise ConfigError(f"engine {self.name}: {exc}") from None
+
+    @property
+    def ranks(self) -> range:
+        """The global data-parallel ranks of this spec: ``first_rank .. first_rank +
+        dp_size - 1``, as vLLM numbers them (each batch's ``data_parallel_rank``)."""
+        return range(self.first_rank, self.first_rank + self.dp_size)
+
+    def http_rank(self, rank: int) -> int:
+        """The ``X-data-parallel-rank`` header value that sends a request to global rank
+        ``rank`` through this spec's HTTP front: its index among the front's ranks,
+        ``rank - first_rank`` (vLLM's front indexes the engines it manages); ValueError
+        for a rank not in :attr:`ranks`."""
+        if rank not in self.ranks:
+            raise ValueError(f"engine {self.name} has no data-parallel rank {rank}")
+        return rank - self.first_rank
 
     def http_base(self) -> str:
         """:attr:`http_url`, for callers that need one; :class:`ConfigError` if there is
@@ -131,8 +196,9 @@ class EngineSpec:
         return self.http_url
 
     def endpoints_for_rank(self, rank: int) -> tuple[str, str | None]:
-        """``(events_endpoint, replay_endpoint)`` of data-parallel rank ``rank``, by vLLM's
-        offsets; :class:`ConfigError` if this spec has no events endpoint."""
+        """``(events_endpoint, replay_endpoint)`` of global data-parallel rank ``rank``, by
+        vLLM's offsets (port + ``rank``); :class:`ConfigError` if this spec has no events
+        endpoint."""
         if self.events_endpoint is None:
             raise ConfigError(f"engine {self.name} has no events endpoint")
         events = offset_endpoint(self.events_endpoint, rank)
@@ -140,8 +206,9 @@ class EngineSpec:
         return events, offset_endpoint(self.replay_endpoint, rank)
 
     def rank_endpoints(self) -> list[tuple[int, str, str | None]]:
-        """``(rank, events_endpoint, replay_endpoint)`` of every DP rank, by vLLM's offsets."""
-        return [(r, *self.endpoints_for_rank(r)) for r in range(self.dp_size)]
+        """``(rank, events_endpoint, replay_endpoint)`` of every global DP rank of
+        :attr:`ranks`, by vLLM's offsets."""
+        return [(r, *self.endpoints_for_rank(r)) for r in self.ranks]
 
     def spec(self) -> str:
         """This engine written back as an ``--engine`` value; parses to an equal spec."""
@@ -149,6 +216,8 @@ class EngineSpec:
         out = f"{self.name}={','.join(parts)}"
         if self.dp_size != 1:
             out += f";dp={self.dp_size}"
+        if self.first_rank != 0:
+            out += f";rank={self.first_rank}"
         if self.topic:
             out += f";topic={self.topic}"
         if self.role != "both":
@@ -159,8 +228,8 @@ class EngineSpec:
 def parse_engine_spec(
     text: str, *, require_http: bool = False, require_events: bool = False
 ) -> EngineSpec:
-    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;topic=T][;role=R]`` (see the module
-    docstring).
+    """Parse ``NAME=HTTP_URL,EVENTS[,REPLAY][;dp=N][;rank=R][;topic=T][;role=ROLE]`` (see the
+    module docstring).
 
     ``require_http`` / ``require_events`` make the HTTP URL / events endpoint mandatory.
     Raises :class:`ConfigError` with one line saying what is wrong.
@@ -170,21 +239,28 @@ def parse_engine_spec(
     if not sep or not name:
         raise ConfigError(f"engine {text!r}: {USAGE}")
     main, *options = rest.split(";")
-    dp, topic, role = 1, "", "both"
+    dp, first_rank, topic, role = 1, 0, "", "both"
     for opt in options:
         key, eq, value = opt.partition("=")
         key = key.strip()
         if key == "dp" and eq:
-            if not value.strip().isdigit():
+            if not _DIGITS.match(value.strip()):
                 raise ConfigError(f"engine {name}: dp must be a positive integer, not {value!r}")
             dp = int(value)
+        elif key == "rank" and eq:
+            if not _DIGITS.match(value.strip()):
+                raise ConfigError(
+                    f"engine {name}: rank must be a non-negative integer (the first global "
+                    f"data-parallel rank its HTTP front serves), not {value!r}"
+                )
+            first_rank = int(value)
         elif key == "topic" and eq:
             topic = value
         elif key == "role" and eq:
             role = value.strip()
         else:
             raise ConfigError(
-                f"engine {name}: unknown option {opt!r} (known: dp=N, topic=T, role=R)"
+                f"engine {name}: unknown option {opt!r} (known: dp=N, rank=R, topic=T, role=ROLE)"
             )
     parts = [p.strip() for p in main.split(",") if p.strip()]
     http: str | None = None
@@ -205,4 +281,4 @@ def parse_engine_spec(
         raise ConfigError(f"engine {name}: missing the events endpoint (tcp://HOST:PORT); {USAGE}")
     if http is None and events is None:
         raise ConfigError(f"engine {text!r}: {USAGE}")
-    return EngineSpec(name, http, events, replay, dp, topic, role)
+    return EngineSpec(name, http, events, replay, dp, topic, role, first_rank)

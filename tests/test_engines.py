@@ -22,6 +22,8 @@ def test_spec_round_trips_through_its_text() -> None:
         "b=tcp://h:2",
         "c=http://h:1",
         "d=https://h:1,ipc:///tmp/e",
+        "e=http://h:1,tcp://h:5557,tcp://h:5600;rank=2",
+        "f=tcp://h:5557;dp=2;rank=4;topic=kv;role=decode",
     ):
         spec = parse_engine_spec(text)
         assert parse_engine_spec(spec.spec()) == spec
@@ -38,6 +40,27 @@ def test_rank_endpoints_follow_vllm_offsets() -> None:
     assert spec.endpoints_for_rank(2) == ("tcp://h:5559", "tcp://h:5560")
 
 
+def test_rank_sets_the_global_ranks_their_offsets_and_the_front_index() -> None:
+    """``;rank=R``: the spec's ranks are R..R+N-1, each at vLLM's endpoint moved up by its
+    global rank (what ``ZmqEventPublisher`` binds for ``data_parallel_index``), and the
+    ``X-data-parallel-rank`` value is its index among the front's ranks."""
+    ext = parse_engine_spec("e=http://h:1,tcp://h:5557,tcp://h:5600;rank=2")
+    assert (ext.first_rank, ext.dp_size, list(ext.ranks)) == (2, 1, [2])
+    assert ext.rank_endpoints() == [(2, "tcp://h:5559", "tcp://h:5602")]
+    assert ext.http_rank(2) == 0
+    hybrid = parse_engine_spec("h=http://h:1,tcp://h:5557;dp=2;rank=2")
+    assert hybrid.rank_endpoints() == [(2, "tcp://h:5559", None), (3, "tcp://h:5560", None)]
+    assert [hybrid.http_rank(r) for r in hybrid.ranks] == [0, 1]
+    with pytest.raises(ValueError, match="no data-parallel rank 1"):
+        hybrid.http_rank(1)
+    assert parse_engine_spec("a=tcp://h:5557;dp=2") == parse_engine_spec(
+        "a=tcp://h:5557;dp=2;rank=0"
+    )
+    assert parse_engine_spec("a=inproc://kv;rank=3").rank_endpoints() == [
+        (3, "inproc://kv_dp3", None)
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "kwargs", "message"),
     [
@@ -47,6 +70,14 @@ def test_rank_endpoints_follow_vllm_offsets() -> None:
         ("a b=tcp://h:2", {}, "may contain only"),
         ("a=tcp://h:2;dp=0", {}, "dp must be >= 1"),
         ("a=tcp://h:2;dp=x", {}, "dp must be a positive integer"),
+        ("a=tcp://h:2;rank=-1", {}, "rank must be a non-negative integer"),
+        ("a=tcp://h:2;rank=x", {}, "rank must be a non-negative integer"),
+        ("a=tcp://h:2;rank=", {}, "rank must be a non-negative integer"),
+        ("a=tcp://h:2;rank=1.5", {}, "rank must be a non-negative integer"),
+        ("a=tcp://h:2;rank=\u00b2", {}, "rank must be a non-negative integer"),
+        ("a=ipc:///tmp/kv;rank=1", {}, "cannot derive an endpoint for data-parallel rank 1"),
+        ("a=tcp://h:65534;dp=2;rank=1", {}, "port 65536 is above 65535"),
+        ("a=tcp://h:2;ranks=1", {}, "unknown option"),
     ],
 )
 def test_one_set_of_errors(text: str, kwargs: dict[str, bool], message: str) -> None:
@@ -64,6 +95,11 @@ def test_constructor_checks_what_the_parser_checks() -> None:
         EngineSpec("a", "http://h:1", None, "tcp://h:3")
     with pytest.raises(ConfigError, match="missing the HTTP URL"):
         EngineSpec("a", None, "tcp://h:2").http_base()
+    with pytest.raises(ConfigError, match="rank must be >= 0"):
+        EngineSpec("a", None, "tcp://h:2", first_rank=-1)
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(ConfigError, match="rank must be an integer"):
+            EngineSpec("a", None, "tcp://h:2", first_rank=bad)  # type: ignore[arg-type]
 
 
 def test_an_empty_endpoint_means_none() -> None:

@@ -135,8 +135,9 @@ def add_relay_parser(sub: Any) -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="SPEC",
-        help="NAME=[HTTP_URL,]EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T] (repeatable; "
-        "the HTTP URL is accepted and ignored)",
+        help="NAME=[HTTP_URL,]EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;rank=R][;topic=T] "
+        "(repeatable; N data-parallel ranks from global rank R, default 1 from 0; the HTTP "
+        "URL is accepted and ignored)",
     )
     p.add_argument(
         "--stream", default=DEFAULT_STREAM, help=f"JetStream stream (default {DEFAULT_STREAM})"

@@ -189,8 +189,10 @@ class JetStreamRelay:
     def _resume(self) -> None:
         """Read each engine's last stored batch per rank and decide its epoch (see module).
 
-        The rank stored is the one on the wire, which need not be the spec's: a
-        publisher with its own endpoints (``dp_size`` 1) may still publish as rank 1.
+        The rank stored is the one on the wire (the global rank, as the spec's
+        :attr:`~kvevents.engines.EngineSpec.ranks` name it when ``;rank=`` is given), which
+        need not be the spec's: a publisher given with its own endpoints and no ``;rank=``
+        (``dp_size`` 1) may still publish as rank 1.
         The replay asked is therefore found by where the batch came from: the spec's
         endpoint for that rank first, then each other endpoint of the engine; the one
         that still holds the stored seq with the same payload proves the same life.

@@ -5,8 +5,9 @@ Routes:
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: tokenise (the engine's
   ``/tokenize`` or a local tokenizer), build the request key, rank the engine ranks that
   are up with the routing policy, and forward the body unchanged to the best one
-  (``X-data-parallel-rank: r`` for a rank r > 0), streaming the answer back byte for byte
-  with ``x-kvevents-worker: NAME:RANK``.  A connection refused or dropped before any
+  (``X-data-parallel-rank: r - R`` for global rank r of a front serving ranks ``R..``
+  when it serves several, see :meth:`~kvevents.engines.EngineSpec.http_rank`), streaming
+  the answer back byte for byte with ``x-kvevents-worker: NAME:RANK``.  A connection refused or dropped before any
   byte was answered marks the engine down and the request goes to the next engine; once
   bytes flowed, a broken upstream is counted (and, in an SSE stream, reported as a last
   ``data: {"error": ...}`` event).  When the answer carries

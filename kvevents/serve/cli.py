@@ -90,8 +90,9 @@ def add_parsers(sub: Any) -> None:
         "--engine",
         action="append",
         metavar="SPEC",
-        help="NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R] "
-        "(repeatable; R: both (default), prefill or decode)",
+        help="NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;rank=R][;topic=T]"
+        "[;role=ROLE] (repeatable; N data-parallel ranks from global rank R (default 1 from 0);"
+        " ROLE: both (default), prefill or decode)",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with [[engine]] tables and options")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")

@@ -1,15 +1,16 @@
 """Configuration of ``kvevents serve``: the engines and the service options.
 
 An engine is named on the command line as
-``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;topic=T][;role=R]`` (repeatable),
-in a TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``, ``replay``,
-``dp``, ``topic``, ``role``; service options at the top level or under ``[serve]``), and overridden by the
+``NAME=HTTP_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][;dp=N][;rank=R][;topic=T][;role=ROLE]``
+(repeatable), in a TOML file (``[[engine]]`` tables with ``name``, ``url``, ``events``,
+``replay``, ``dp``, ``rank``, ``topic``, ``role``; service options at the top level or under ``[serve]``), and overridden by the
 environment (``KVEVENTS_SERVE_HOST``, ``KVEVENTS_SERVE_PORT``, ``KVEVENTS_SERVE_POLICY``,
 ``KVEVENTS_SERVE_ENGINES``: engine specs separated by whitespace).
 
 The engine spec type and its parser are :mod:`kvevents.engines`' (one for every
 command); :class:`EngineSpec` and :func:`parse_engine_spec` are re-exported here.  ``dp=N``
-makes one entry stand for data-parallel ranks ``0..N-1`` (see :mod:`kvevents.engines`).
+and ``rank=R`` make one entry stand for global data-parallel ranks ``R..R+N-1`` behind one
+HTTP front (see :mod:`kvevents.engines` for what to give in each of vLLM's modes).
 
 Nothing here needs the ``serve`` extra.
 """
@@ -217,12 +218,16 @@ def _coerce(key: str, value: Any, where: str) -> Any:
 def _engine_from_table(t: Any, where: str) -> EngineSpec:
     if not isinstance(t, Mapping):
         raise ConfigError(f"{where}: each [[engine]] must be a table")
-    unknown = set(t) - {"name", "url", "events", "replay", "dp", "topic", "role"}
+    unknown = set(t) - {"name", "url", "events", "replay", "dp", "rank", "topic", "role"}
     if unknown or not {"name", "url", "events"} <= set(t):
         raise ConfigError(
-            f"{where}: [[engine]] needs name, url, events (optional replay, dp, topic, role); "
-            f"unknown keys: {sorted(unknown)}"
+            f"{where}: [[engine]] needs name, url, events (optional replay, dp, rank, topic, "
+            f"role); unknown keys: {sorted(unknown)}"
         )
+    for key in ("dp", "rank"):
+        value = t.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f"{where}: [[engine]] {key} = {value!r} is not an integer")
     try:
         return EngineSpec(
             str(t["name"]),
@@ -232,10 +237,11 @@ def _engine_from_table(t: Any, where: str) -> EngineSpec:
             int(t.get("dp", 1)),
             str(t.get("topic", "")),
             str(t.get("role", "both")),
+            int(t.get("rank", 0)),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
-            raise
+            raise ConfigError(f"{where}: {exc}") from None
         raise ConfigError(f"{where}: bad [[engine]] entry {dict(t)!r}: {exc}") from None
 
 

@@ -4,7 +4,7 @@ take the two steps, and the bodies of the steps in vLLM's KV-connector protocol.
 One job: the decision and the wire shapes (no I/O; :mod:`kvevents.serve.proxy` sends
 the steps).  Imports msgspec, the plan and routing rooms.
 
-An engine's role (``--engine NAME=...;role=R``) is ``both`` (whole requests),
+An engine's role (``--engine NAME=...;role=ROLE``) is ``both`` (whole requests),
 ``prefill`` or ``decode``.  In a fleet with engines of both split roles, a request is
 disaggregated when a ``decode`` engine is up and the best ``prefill`` engine would
 compute at least ``pd_min_uncached_tokens`` of its prompt (the prompt minus what that

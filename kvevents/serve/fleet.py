@@ -7,15 +7,19 @@ feeding a :class:`~kvevents.consumers.BlockIndex` that the router reads under
 loss) reset it in the index.
 
 Workers: each engine rank's worker id in the index is derived from its spec when the
-service starts, as the subscriber names its batches: ``(source, rank)`` where source is
-the rank's source name (``NAME`` for rank 0, ``NAME@dpR`` for rank R, each reading its own
-offset endpoint), with ``#TOPIC`` appended when the spec gives a topic
+service starts, as the subscriber names its batches: ``(source, rank)`` where rank is the
+global data-parallel rank (one of the spec's :attr:`~kvevents.engines.EngineSpec.ranks`,
+``;rank=R`` .. ``R+N-1``) and source the rank's source name (``NAME`` for the spec's
+first rank, ``NAME@dpR`` for global rank R after it, each reading its own offset
+endpoint), with ``#TOPIC`` appended when the spec gives a topic
 (:func:`~kvevents.consumers.subscriber.worker_source`); from JetStream, ``(NAME, rank)``.
 A batch naming any other worker (a ``data_parallel_rank`` or a topic the spec does not
 give the stream it came on: an engine started with another ``--data-parallel-rank`` or
 ``kv_events_config.topic``, or a longer topic sharing the spec's prefix; from JetStream,
 an engine rank not configured here) is counted per rank and reason in ``unexpected``,
-logged once per worker it names, and skipped: it creates no worker.
+logged once per worker it names, and skipped: it creates no worker.  When a single-rank
+spec's stream brings one other rank only, the line suggests ``;rank=`` (an API server
+started with ``--data-parallel-rank``, external load balancing).
 
 Readiness (``/readyz``): a rank is ready once its SUB socket is connected (a ZMQ socket
 monitor reports the connection) and, when it has a replay endpoint, once that endpoint
@@ -150,6 +154,8 @@ class RankState:
     unexpected: Counter[str] = field(default_factory=Counter)
     """Batches that came on this rank's stream naming another worker, by what differed
     from the spec (``topic``, ``dp_rank`` or ``topic,dp_rank``): counted, never indexed."""
+    other_ranks: set[int] = field(default_factory=set)
+    """The ``data_parallel_rank`` values other than :attr:`rank` its stream brought."""
 
     @property
     def trusted(self) -> bool:
@@ -286,9 +292,9 @@ class Fleet:
         ctx: zmq.Context[Any] = zmq.Context.instance()
         try:
             for spec in config.engines:
-                for rank in range(spec.dp_size):
+                for rank in spec.ranks:
                     events, replay = spec.endpoints_for_rank(rank)
-                    name = spec.name if rank == 0 else f"{spec.name}@dp{rank}"
+                    name = spec.name if rank == spec.first_rank else f"{spec.name}@dp{rank}"
                     topic = spec.topic.encode()
                     worker = (worker_source(name, topic), rank)
                     state = RankState(spec, rank, name, events, replay, worker)
@@ -318,7 +324,7 @@ class Fleet:
         as ``kvevents.<NAME>.<rank>``): the worker of an engine's rank is ``(NAME, rank)``,
         and a stream is durable, so every rank counts as connected and caught up."""
         for spec in config.engines:
-            for rank in range(spec.dp_size):
+            for rank in spec.ranks:
                 url = config.nats_url or ""
                 state = RankState(spec, rank, spec.name, url, None, (spec.name, rank), True)
                 self._add(state)
@@ -556,13 +562,15 @@ class Fleet:
             differs.append("topic")
         if item.dp_rank != st.rank:
             differs.append("dp_rank")
+            if item.dp_rank is not None and len(st.other_ranks) < _UNEXPECTED_KEYS:
+                st.other_ranks.add(item.dp_rank)
         st.unexpected[",".join(differs) or "worker"] += 1
         if fresh and (st.label, named) not in self._unexpected_seen:
             self._unexpected_seen.add((st.label, named))
             line = (
                 f"batches of topic {topic!r}, data_parallel_rank {item.dp_rank} came on its "
                 f"stream ({st.events_endpoint}); its spec gives it topic {st.engine.topic!r} "
-                f"and rank {st.rank}: skipped (check the engine's ;topic= and ;dp=)"
+                f"and rank {st.rank}: skipped ({_hint(st, item.dp_rank, topic)})"
             )
             st.recent_anomalies.append(
                 f"{time.strftime('%H:%M:%S')} unexpected_batch: {line}"[:200]
@@ -637,6 +645,46 @@ class Fleet:
                     st.label, st.resume[0],
                 )  # fmt: skip
                 st.resume = None
+
+
+def _hint(st: RankState, dp_rank: int | None, topic: str) -> str:
+    """What to check in the spec of ``st``, whose stream brought a batch of ``dp_rank``
+    and ``topic``.  A single-rank spec whose stream brings one other rank only is an API
+    server started with ``--data-parallel-rank K`` (external load balancing): it
+    publishes as global rank K on vLLM's endpoint moved up by K, so the spec wants
+    ``;rank=K`` with the endpoint vLLM was given (this stream's moved back by K, when
+    that is a valid one)."""
+    spec = st.engine
+    if (
+        dp_rank is None
+        or dp_rank == st.rank
+        or topic != spec.topic
+        or spec.dp_size != 1
+        or st.other_ranks != {dp_rank}
+    ):
+        return "check the engine's ;topic=, ;dp= and ;rank="
+    hint = (
+        f"an API server started with --data-parallel-rank {dp_rank} publishes as that "
+        f"global rank: give its spec ;rank={dp_rank}"
+    )
+    base = _unoffset(st.events_endpoint, dp_rank)
+    if base is not None:
+        hint += f" and the endpoint vLLM was configured with ({base} for this stream)"
+    return hint
+
+
+def _unoffset(endpoint: str, rank: int) -> str | None:
+    """The endpoint that vLLM's offset for ``rank`` turns into ``endpoint`` (tcp port -
+    rank, or the ``_dp<rank>`` suffix of an inproc name removed), None if there is none."""
+    if endpoint.startswith("inproc://"):
+        suffix = f"_dp{rank}"
+        return endpoint[: -len(suffix)] if endpoint.endswith(suffix) else None
+    base, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+        return None
+    if int(port) - rank < 1:
+        return None
+    return f"{base}:{int(port) - rank}"
 
 
 def _gpu_events(batch: KVEventBatch) -> KVEventBatch:

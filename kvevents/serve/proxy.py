@@ -256,8 +256,9 @@ class Forwarder:
             if name in tried or not self.fleet.is_up(name):
                 continue
             h = dict(headers)
-            if st.rank > 0:
-                h["X-data-parallel-rank"] = str(st.rank)
+            if st.engine.dp_size > 1:
+                # pin the rank: without the header vLLM's front balances over its ranks
+                h["X-data-parallel-rank"] = str(st.engine.http_rank(st.rank))
             uncached = max(0, n - cand.match.total - cand.pending) if charge else 0
             self.loads.started(st.label, uncached)
             rid = res.reserve(plan.key, st) if res is not None else None

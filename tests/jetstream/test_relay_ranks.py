@@ -1,8 +1,11 @@
 """Exactly once for every DP rank form: relays killed, run side by side, nats-server restarted.
 
-Three engines, each written as a user writes ``--engine``: a plain rank 0; a DP rank 1
+Four engines, each written as a user writes ``--engine``: a plain rank 0; a DP rank 1
 with its own endpoints (``NAME=EVENTS,REPLAY``, so one rank in the spec but rank 1 on
-the wire) behind a topic; and a two-rank engine at vLLM's offset ports behind a topic.
+the wire) behind a topic; a two-rank engine at vLLM's offset ports behind a topic; and
+the API server of global rank 1 under external load balancing (``--data-parallel-rank
+1``), given as ``;rank=1`` with the endpoints vLLM was configured with (it binds them
+moved up by 1).
 Real relay subprocesses (SIGKILL), a real nats-server.  The stream must end holding
 every batch of every rank exactly once, all in epoch 0, and a reader must see no
 ``publisher_restart``.
@@ -96,11 +99,20 @@ class Fleet:
                 replay_endpoint=f"tcp://*:{rbase}",
                 topic="kv",
             )
+        # External LB: vLLM's endpoints given, rank 1 binds them + 1 and tags rank 1.
+        ext, rext = free_pair(), free_pair()
+        self.pubs[("ext", 1)] = ZmqEventPublisher(
+            data_parallel_rank=1,
+            endpoint=f"tcp://*:{ext - 1}",
+            replay_endpoint=f"tcp://*:{rext - 1}",
+        )
+        assert self.pubs[("ext", 1)].endpoint.endswith(f":{ext}")
         local = lambda ep: ep.replace("0.0.0.0", "127.0.0.1")  # noqa: E731
         self.specs = [
             f"plain={local(plain.endpoint)},{local(plain.replay_endpoint or '')}",
             f"own={local(own.endpoint)},{local(own.replay_endpoint or '')};topic=kv",
             f"dp2=tcp://127.0.0.1:{base},tcp://127.0.0.1:{rbase};dp=2;topic=kv",
+            f"ext=tcp://127.0.0.1:{ext - 1},tcp://127.0.0.1:{rext - 1};rank=1",
         ]
 
     def publish(self, n: int) -> None:

@@ -53,3 +53,50 @@ def test_engines_without_events_need_nats() -> None:
     with pytest.raises(ConfigError, match="no events endpoint"):
         load_config(engines=["e0=http://127.0.0.1:9"])
     assert ServeConfig().nats_stream == "KV_EVENTS"
+
+
+def test_a_rank_spec_is_relayed_and_followed_under_its_global_rank(
+    nats_server: LocalNatsServer,
+) -> None:
+    """``;rank=2`` (an API server started with ``--data-parallel-rank 2``): the relay reads
+    vLLM's endpoints moved up by 2 and stores ``kvevents.e2.2``; ``serve --nats`` with the
+    same ``;rank=2`` follows it as worker ``(e2, 2)``, nothing unexpected."""
+    from kvevents.engines import parse_engine_spec
+    from kvevents.publishers import ZmqEventPublisher
+
+    from .helpers import batch, free_port
+
+    events, replay = free_port(), free_port()  # what rank 2 binds: vLLM's ports + 2
+    pub = ZmqEventPublisher(
+        data_parallel_rank=2,
+        endpoint=f"tcp://*:{events - 2}",
+        replay_endpoint=f"tcp://*:{replay - 2}",
+    )
+    assert pub.endpoint.endswith(f":{events}")
+    spec = parse_engine_spec(f"e2=tcp://127.0.0.1:{events - 2},tcp://127.0.0.1:{replay - 2};rank=2")
+    relay = JetStreamRelay(nats_server.url, [spec])
+    stop, t = run_relay_thread(relay)
+    try:
+        for i in range(10):
+            b = batch(i)
+            b.data_parallel_rank = None  # the publisher tags its own rank: 2
+            pub.publish(b)
+        assert relay.wait_appended(10, 20)
+    finally:
+        stop.set()
+        t.join(10)
+        relay.close()
+        pub.shutdown()
+    config = load_config(
+        engines=["e2=http://127.0.0.1:9;rank=2"], options={"nats_url": nats_server.url}
+    )
+    fleet = Fleet(config)
+    try:
+        fleet.start()
+        (st,) = fleet.ranks
+        assert (st.rank, st.worker) == (2, ("e2", 2))
+        assert wait_until(lambda: st.batches == 10, 20)
+        assert st.unexpected == {} and fleet.unexpected == {}
+        assert set(fleet.index.summary()) == {("e2", 2)}
+    finally:
+        fleet.close()

@@ -19,6 +19,28 @@ def test_engine_spec_full() -> None:
     assert parse_engine_spec(e.spec()) == e
 
 
+def test_engine_rank_from_a_toml_file(tmp_path: Path) -> None:
+    """``rank`` in an ``[[engine]]`` table is ``;rank=R``; a bad one is refused with the
+    file named."""
+    f = tmp_path / "serve.toml"
+    f.write_text(
+        '[[engine]]\nname = "e2"\nurl = "http://h:1"\nevents = "tcp://h:5557"\nrank = 2\n'
+        '[[engine]]\nname = "h"\nurl = "http://h:2"\nevents = "tcp://h:5557"\ndp = 2\n'
+        "rank = 2\n"
+    )
+    e2, h = load_config(config_file=str(f), environ={}).engines
+    assert e2 == parse_engine_spec("e2=http://h:1,tcp://h:5557;rank=2")
+    assert (h.first_rank, list(h.ranks)) == (2, [2, 3])
+    assert parse_engine_spec(h.spec()) == h and h.spec().endswith(";dp=2;rank=2")
+    for value, message in (("-1", "rank must be >= 0"), ('"x"', "bad"), ("true", "not an integer")):
+        f.write_text(
+            f'[[engine]]\nname = "a"\nurl = "http://h:1"\nevents = "tcp://h:2"\nrank = {value}\n'
+        )
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(config_file=str(f), environ={})
+        assert str(f) in str(info.value)
+
+
 def test_engine_spec_without_replay() -> None:
     e = parse_engine_spec("a=http://h:1,tcp://h:2")
     assert e.replay_endpoint is None and e.dp_size == 1 and e.topic == ""
