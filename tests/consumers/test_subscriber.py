@@ -420,6 +420,49 @@ def test_an_unknown_option_name_is_a_type_error():
         ZmqSource("tcp://127.0.0.1:1", max_message_size=0)  # type: ignore[call-arg]
 
 
+def test_the_settings_are_declared_once_in_subscriber_options():
+    """Every setting is a field of ``SubscriberOptions`` with its own docstring; the
+    subscribers' signatures name ``options`` and the objects they use, all typed, with
+    no catch-all keyword arguments, and they are the same signature."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from kvevents.consumers import AsyncSubscriber
+    from kvevents.consumers.subscriber import SubscriberCore, options
+
+    tree = ast.parse(inspect.getsource(options))
+    cls = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SubscriberOptions"
+    )
+    documented = {
+        field.target.id
+        for field, after in zip(cls.body, cls.body[1:])
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(field.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }
+    assert documented == {f.name for f in dataclasses.fields(SubscriberOptions)}
+    signatures = [
+        inspect.signature(cls.__init__) for cls in (SubscriberCore, Subscriber, AsyncSubscriber)
+    ]
+    assert signatures[0] == signatures[1] == signatures[2]
+    params = list(signatures[0].parameters.values())[1:]
+    assert [p.name for p in params] == [
+        "endpoints",
+        "topic",
+        "replay_endpoints",
+        "options",
+        "decoder",
+        "context",
+        "curve",
+    ]
+    assert all(p.kind is not p.VAR_KEYWORD and p.annotation is not p.empty for p in params)
+    assert not {p.name for p in params} & {f.name for f in dataclasses.fields(SubscriberOptions)}
+
+
 def test_source_objects_and_topic_filtering():
     ctx = zmq.Context.instance()
     with FaultyPublisher(topic=b"other") as other, FaultyPublisher() as pub:

@@ -65,13 +65,15 @@ asyncio use :class:`~kvevents.consumers.aio.AsyncSubscriber`, which drives the s
 
 **Rooms.**  This package is the one import path; each job has its own module:
 ``items`` (the values handed out and the counters), ``options`` (settings, their checks
-and opening sources), ``streams`` (the shared tables and the replay
-adapters of a source), ``table`` (naming, decoding, new streams), ``outbox`` (tracker
-actions to items), ``replay`` (replay scheduling, deadlines, catch-up requests),
-``replies`` (replies, end markers and connection events to the streams), ``inband``
-(replays recorded in a capture), ``liveness`` (probes and staleness), ``waiting`` (the
-sockets to wait on), ``core`` (:class:`SubscriberCore`, which composes them and routes
-each message) and ``blocking`` (:class:`Subscriber`).
+and opening sources), ``streams`` (the shared tables and the replay adapters of a
+source), ``table`` (naming, decoding, new streams, each source's last live topic),
+``outbox`` (tracker actions to items; it returns the replay a tracker asks for),
+``replay`` (replay scheduling, deadlines, catch-up requests; its ``apply`` carries a
+tracker's actions out), ``replies`` (replies, end markers and connection events to the
+streams), ``inband`` (replays recorded in a capture), ``liveness`` (probes and
+staleness), ``waiting`` (the sockets to wait on), ``core`` (:class:`SubscriberCore`,
+which composes them, routes each message and runs the one receive loop) and
+``blocking`` (:class:`Subscriber`).  Each room is given what it needs when it is made.
 """
 
 from __future__ import annotations

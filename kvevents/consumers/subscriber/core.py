@@ -63,6 +63,11 @@ __all__ = ["SubscriberCore"]
 logger = logging.getLogger("kvevents.consumers.subscriber")
 
 
+_Run = tuple[str, bytes, int, StreamKey, StreamTracker[HeldBatch]]
+"""The stream of the batch a read just delivered in order: the batch's origin (as sent),
+topic and rank, the stream's key and its tracker (a tuple: it is read once a batch)."""
+
+
 def _earlier(wait: float | None, w: float | None) -> float | None:
     """The shorter of two waits in seconds (None: no limit)."""
     return wait if w is None or (wait is not None and wait <= w) else w
@@ -439,9 +444,7 @@ class SubscriberCore:
         decode = self.decoder.decode
         deliver = self._outbox.deliver
         table = self._table
-        # the stream of the last batch delivered in order: origin (as sent), topic, rank,
-        # key and tracker
-        run: tuple[str, bytes, int, StreamKey, StreamTracker[HeldBatch]] | None = None
+        run: _Run | None = None
         for msg in msgs:
             if msg.kind != LIVE:
                 self._process(src, msg, now)
