@@ -224,8 +224,9 @@ inline bool any(const Bits& b) {
 // (credited, next_starts, next_aligned), the fields of the Python walk's WalkResult (the
 // module's named_walk names them): see kvevents.consumers.router.walk.walk, whose
 // contract this follows step for step: the joins (``first`` at the first key, ``starts[j]``
-// at the key ending at unit j), the AND per key, and at each run end (``end_at`` there)
-// the credit rule, the next tier's starts and the per-slot ends.  With one next-tier class
+// at the key ending at unit j), the AND per key, and at each run end the credit rule, then the
+// per-slot ends and the next tier's starts (the Python records the runs and does these two
+// after the walk: _write_ends, _next_tier; the same writes and the same answer).  With one next-tier class
 // (the usual fleet) its chunk boundary is tracked as the walk goes (``pend``); the result
 // is the Python's per-class rule.
 inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, PyObject* first,
@@ -360,7 +361,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
           }
           alive.swap(now);
           alive_any = any(alive);
-          if (changed) {  // runs end at e (the Python's end_at)
+          if (changed) {  // runs end at e (the Python's ``runs[e]``)
             if (check) {  // the credit rule
               while (sidx < start_bits.size() && start_bits[sidx].first < e) ++sidx;
               if (sidx < start_bits.size() && start_bits[sidx].first == e) {

@@ -68,7 +68,7 @@ engine block or an offload chunk), and their bits (:class:`IndexLayout`'s
 ``gpu_classes``, ``chunk_classes`` and ``complex_full_classes``; plain tuples there, as
 the index snapshot carries its cached layout)."""
 
-_NO_JOIN = (-1, 0)  # after the last join: a walk position never reached
+_NO_JOIN = (0, 0)  # after the last join: at walk position -step, never reached
 _SENTINEL = (None,)  # a key held by nobody: every run still alive ends after the last key
 _EMPTY: Mapping[int, int] = {}
 
@@ -112,34 +112,10 @@ def walk(
     joins = _joins(first, starts, step)
     if not joins:
         return WalkResult(0, {}, 0)
+    runs: dict[int, int] = {}  # unit e -> the credited slots whose runs end at e
     credited = 0  # slots that joined with a hit, less those the credit rule took
-    next_starts: dict[int, int] = {}
-    next_aligned = 0
-
-    def end_at(e: int, slots: int) -> None:
-        """The runs of ``slots`` end at unit ``e``: the credit rule, then each credited
-        slot's next-tier start and its end."""
-        nonlocal credited, next_aligned
-        late = starts.get(e) if starts else None
-        if late:  # the credit rule: joined at e with an unaligned base: no credit
-            lost = slots & late & ~aligned
-            if lost:
-                credited &= ~lost
-                slots &= ~lost
-        for v, mask in nxt:  # the next tier starts at the chunk boundary after e
-            cls = slots & mask
-            if cls:
-                f = (e // v + 1) * v
-                next_starts[f] = next_starts.get(f, 0) | cls
-                if not e % v:
-                    next_aligned |= cls
-        tokens = e * unit
-        while slots:  # one slot per bit, highest first (the int shrinks)
-            p = slots.bit_length()
-            end[p] = tokens
-            slots ^= pos_bits[p]
-
     join_at, joining = joins.pop()
+    join_at -= step  # (as a walk position: the units before the key ending at j)
     alive = 0  # slots whose run goes on to the current key
     e = 0  # units before the current key
     for k in chain(ks, _SENTINEL):
@@ -152,25 +128,55 @@ def walk(
                 kept |= joined
                 credited |= joined
                 join_at, joining = joins.pop() if joins else _NO_JOIN
+                join_at -= step
             alive = kept
+            late = starts.get(e) if starts and ended else None
+            if late:  # the credit rule: joined at e with an unaligned base: no credit
+                lost = ended & late & ~aligned
+                credited &= ~lost
+                ended &= ~lost
             if ended:
-                end_at(e, ended)
+                runs[e] = ended
             if not alive and join_at < 0:
                 break
         e += step
-    return WalkResult(credited, next_starts, next_aligned)
+    _write_ends(runs, end, unit, pos_bits)
+    return WalkResult(credited, *_next_tier(runs, nxt))
 
 
 def _joins(first: int, starts: Mapping[int, int], step: int) -> list[tuple[int, int]]:
-    """The walk's joins as ``(walk position, slots)``, last first (to pop): the slots of
-    ``starts[j]`` join at walk position ``j - step`` (the units before the key ending at
-    ``j``), those of ``first`` at 0."""
-    at: dict[int, int] = {}
+    """The walk's joins as ``(j, slots)``, last first (to pop): the slots of ``starts[j]``
+    join at the key ending at unit ``j``, those of ``first`` at the first key (``step``)."""
+    at = dict(starts)
     if first:
-        at[0] = first
-    for j, slots in starts.items():
-        at[j - step] = at.get(j - step, 0) | slots
+        at[step] = at.get(step, 0) | first
     return sorted(at.items(), reverse=True)
+
+
+def _write_ends(runs: dict[int, int], end: list[int], unit: int, pos_bits: Sequence[int]) -> None:
+    """Each credited slot's end: ``end[s + 1] = e × unit`` for the runs ending at ``e``."""
+    for e, slots in runs.items():
+        tokens = e * unit
+        while slots:  # one slot per bit, highest first (the int shrinks)
+            p = slots.bit_length()
+            end[p] = tokens
+            slots ^= pos_bits[p]
+
+
+def _next_tier(runs: dict[int, int], nxt: Sequence[SlotClass]) -> tuple[dict[int, int], int]:
+    """Where the credited slots start on the next tier: per chunk class ``(v, mask)``,
+    a run ending at ``e`` starts at ``(e // v + 1) × v``, aligned when ``e % v == 0``."""
+    starts: dict[int, int] = {}
+    aligned = 0
+    for v, mask in nxt:
+        for e, slots in runs.items():
+            cls = slots & mask
+            if cls:
+                f = (e // v + 1) * v
+                starts[f] = starts.get(f, 0) | cls
+                if not e % v:
+                    aligned |= cls
+    return starts, aligned
 
 
 python_walk = walk
