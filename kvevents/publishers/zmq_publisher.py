@@ -372,8 +372,13 @@ class ZmqEventPublisher:
                 total_bytes=live_max_bytes_in_flight or unlimited,
                 batch_bytes_hint=live_batch_bytes_hint,
                 envelope_bytes=len(topic_frame) + 8,
-                # inproc peers do not reconnect to a re-created socket: only watch.
-                adaptive=not self.endpoint.startswith("inproc://"),
+                # Only watch where a re-created socket cannot take the old one's place:
+                # inproc peers do not reconnect to it, and a wildcard ipc address's
+                # file (and folder) is removed by the old listener as it closes.
+                adaptive=not (
+                    self.endpoint.startswith("inproc://")
+                    or (self.binds and self.requested_endpoint.startswith("ipc://*"))
+                ),
             )
         head = None
         if self.hold_until_subscribed:

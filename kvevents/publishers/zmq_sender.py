@@ -232,7 +232,9 @@ class SenderThread:
         """Re-create the PUB socket when the budget wants another mark; bind a
         re-created one whose address was still busy."""
         sockets = self.sockets
-        if budget.wanted is not None:
+        # Not while closing: the old socket's queues (the last batches, which shutdown
+        # waits to see written) would be dropped for a mark nobody uses any more.
+        if budget.wanted is not None and not self.closing.is_set():
             self._recreate(budget, *budget.wanted)
         if (
             sockets.attach_pending

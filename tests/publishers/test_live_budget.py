@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,4 +188,56 @@ def test_without_a_budget_the_configured_hwm_stays(ctx: zmq.Context[Any]) -> Non
         wait_until(lambda: (pub.publish(removed_batch(0)), sub.poll(20))[1])
         assert unpack_seq(recv(sub)[1]) >= 0
         assert pub.stats.live_hwm == 777
+        sub.close()
+
+
+def test_no_recreation_once_shutdown_has_begun(ctx: zmq.Context[Any]) -> None:
+    """A block of batches far above the hint completes while the publisher shuts down:
+    the socket is not re-created (that would drop the last batches queued for the
+    subscriber, which shutdown waits to see written); the subscriber gets them all."""
+    pub = ZmqEventPublisher(
+        endpoint="tcp://127.0.0.1:0",
+        bind=True,
+        live_max_client_bytes=1 * MiB,
+        live_batch_bytes_hint=16,
+        warn_interval_s=3600,
+    )
+    sub = subscribe(ctx, pub.endpoint)
+    wait_until(lambda: pub.stats.live_subscribers == 1, what="the subscription")
+    pub._pause_sender()
+    for i in range(BLOCK_BATCHES):
+        pub.publish(removed_batch(i))
+    stopper = threading.Thread(target=pub.shutdown, args=(10.0,))
+    stopper.start()
+    wait_until(lambda: pub._sender.closing.is_set(), what="the shutdown")
+    pub._resume_sender()
+    stopper.join()
+    assert pub.stats.live_recreations == 0
+    assert [unpack_seq(recv(sub)[1]) for _ in range(BLOCK_BATCHES)] == list(range(BLOCK_BATCHES))
+    sub.close()
+
+
+def test_a_wildcard_ipc_socket_is_never_recreated(
+    ctx: zmq.Context[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libzmq removes a bound ``ipc://*`` address's file and folder as the old socket
+    closes, so a socket re-created there would be unreachable: the budget only watches,
+    and a subscriber arriving after batches far above the hint still receives."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where libzmq makes the wildcard's folder
+    with ZmqEventPublisher(
+        endpoint="ipc://*",
+        live_max_client_bytes=1 * MiB,
+        live_batch_bytes_hint=16,
+        warn_interval_s=3600,
+    ) as pub:
+        for i in range(2 * BLOCK_BATCHES):
+            pub.publish(removed_batch(i))
+        wait_until(lambda: pub.queue_size == 0 and pub.stats.live_batch_bytes > 16)
+        assert pub.stats.live_recreations == 0
+        sub = subscribe(ctx, pub.endpoint)
+        n = 2 * BLOCK_BATCHES
+        while not sub.poll(20):
+            pub.publish(removed_batch(n))
+            n += 1
+            assert n < 2 * BLOCK_BATCHES + 500, "the subscriber never received"
         sub.close()
