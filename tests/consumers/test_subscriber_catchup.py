@@ -67,31 +67,53 @@ class PacedPublisher:
 
 class TcpRelay:
     """A loopback TCP relay in front of ``target`` (host, port) whose connections
-    :meth:`cut` closes (the peers see a dropped connection; new ones are relayed)."""
+    :meth:`cut` closes (the peers see a dropped connection; new ones are relayed).
+
+    Its threads end with :meth:`close` and are joined there: a peer going away (the
+    target refusing, a connection reset) is expected and ends one link quietly, so
+    nothing the relay does can outlive its test or raise into a later one."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(8)
+        self.listener.settimeout(0.05)  # the accept loop checks the stop event this often
         self.port = int(self.listener.getsockname()[1])
         self.conns: list[socket.socket] = []
         self.accepted = 0
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 a, _ = self.listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
-            b = socket.create_connection(self.target)
+            a.settimeout(None)
+            try:
+                b = socket.create_connection(self.target, timeout=5)
+            except OSError:  # the target is gone (refused, reset): drop this peer
+                a.close()
+                continue
+            b.settimeout(None)
             with self._lock:
+                if self._stop.is_set():
+                    a.close()
+                    b.close()
+                    return
                 self.conns += [a, b]
                 self.accepted += 1
-            for x, y in ((a, b), (b, a)):
-                threading.Thread(target=self._pipe, args=(x, y), daemon=True).start()
+                for x, y in ((a, b), (b, a)):
+                    t = threading.Thread(target=self._pipe, args=(x, y), daemon=True)
+                    self._threads.append(t)
+                    t.start()
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket) -> None:
@@ -117,8 +139,15 @@ class TcpRelay:
             s.close()
 
     def close(self) -> None:
+        """Stop accepting, cut every link and join every thread (5 s each at most)."""
+        self._stop.set()
+        self._acceptor.join(5)
         self.listener.close()
         self.cut()
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(5)
 
 
 def test_late_join_asks_the_ring_once() -> None:

@@ -135,29 +135,41 @@ class CutProxy:
         self.endpoint = f"tcp://127.0.0.1:{self.lsock.getsockname()[1]}"
         self.open = True
         self.closed = False
+        self.lsock.settimeout(0.05)  # the accept loop checks ``closed`` this often
         self._links: list[socket.socket] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._pumps: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while not self.closed:
             try:
                 conn, _ = self.lsock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             if not self.open:
                 conn.close()
                 continue
             try:
                 up = socket.create_connection(self.target, timeout=5)
-            except OSError:
+            except OSError:  # the target is gone (refused, reset): drop this peer
                 conn.close()
                 continue
             up.settimeout(None)
             with self._lock:
+                if self.closed:
+                    conn.close()
+                    up.close()
+                    return
                 self._links += [conn, up]
-            threading.Thread(target=self._pump, args=(conn, up), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, conn), daemon=True).start()
+                for src, dst in ((conn, up), (up, conn)):
+                    t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+                    self._pumps.append(t)
+                    t.start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -189,6 +201,14 @@ class CutProxy:
         self.open = True
 
     def close(self) -> None:
-        self.closed = True
-        self.cut()
+        """Stop accepting, cut every link and join every thread (5 s each at most), so
+        that nothing of the proxy outlives its test."""
+        with self._lock:
+            self.closed = True
+        self._acceptor.join(5)
         self.lsock.close()
+        self.cut()
+        with self._lock:
+            pumps, self._pumps = self._pumps, []
+        for t in pumps:
+            t.join(5)
