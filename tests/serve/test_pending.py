@@ -32,8 +32,14 @@ SLOW = SimHTTPConfig(prefill_s_per_token=4e-4)  # 1500 tokens: 0.6 s of prefill
 
 
 def _stack(weight: float, ttl: float = 20.0, max_bytes: int = 32 << 20) -> LocalStack:
+    """Three slow-prefill engines and the service on one event loop.  A busy machine can
+    starve that loop for seconds: the engines' connect timeout is generous and a
+    mark-down (a scrape or ``/tokenize`` that timed out meanwhile) is retried at once,
+    since these engines never fail and a skipped one would only turn a burst into 503s."""
     cfg = ServeConfig(
         scrape_interval_s=0.2,
+        connect_timeout_s=30.0,
+        retry_after_s=0.0,
         pending_weight=weight,
         pending_ttl_s=ttl,
         pending_max_bytes=max_bytes,
@@ -44,7 +50,7 @@ def _stack(weight: float, ttl: float = 20.0, max_bytes: int = 32 << 20) -> Local
 @pytest.fixture()
 def stack() -> Iterator[LocalStack]:
     with _stack(0.5) as s:
-        wait_until(lambda: ready(s.url), what="/readyz")
+        wait_until(lambda: ready(s.url), timeout=60, what="/readyz")
         yield s
 
 
@@ -56,11 +62,11 @@ def _chat(q: str) -> dict[str, object]:
 
 
 def _route(url: str, q: str) -> list[dict[str, object]]:
-    return list(httpx.post(url + "/route", json=_chat(q), timeout=10).json()["ranked"])
+    return list(httpx.post(url + "/route", json=_chat(q), timeout=60).json()["ranked"])
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=60).text
     total = 0.0
     for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
         total += float(m.group(1))
@@ -112,7 +118,7 @@ def test_route_shows_pending_while_the_first_prefills(stack: LocalStack) -> None
 
 def test_expired_reservations_leave_no_credit() -> None:
     with _stack(0.5, ttl=3.0) as s:
-        wait_until(lambda: ready(s.url), what="/readyz")
+        wait_until(lambda: ready(s.url), timeout=60, what="/readyz")
         res = s.service.reservations
         assert res is not None
         # a reservation whose request never reaches an engine: nothing confirms it
@@ -120,13 +126,15 @@ def test_expired_reservations_leave_no_credit() -> None:
             keys = s.service.policy.router.request_keys(list(range(5000, 5800)))
         st = s.service.fleet.ranks[1]
         s.call(_reserve(res, keys, st))
-        top = httpx.post(s.url + "/route", json={"prompt": list(range(5000, 5900))}).json()
+        top = httpx.post(
+            s.url + "/route", json={"prompt": list(range(5000, 5900))}, timeout=60
+        ).json()
         assert top["ranked"][0]["pending"] == 800
         wait_until(
             lambda: (
-                httpx.post(s.url + "/route", json={"prompt": list(range(5000, 5900))}).json()[
-                    "ranked"
-                ][0]["pending"]
+                httpx.post(
+                    s.url + "/route", json={"prompt": list(range(5000, 5900))}, timeout=60
+                ).json()["ranked"][0]["pending"]
                 == 0
             ),
             what="expiry",
@@ -140,7 +148,7 @@ async def _reserve(res: object, keys: list[int], st: object) -> None:
 
 def test_weight_zero_turns_it_off() -> None:
     with _stack(0.0) as s:
-        wait_until(lambda: ready(s.url), what="/readyz")
+        wait_until(lambda: ready(s.url), timeout=60, what="/readyz")
         assert s.service.reservations is None
         answers = [
             httpx.post(s.url + "/v1/chat/completions", json=_chat(f"q{i}"), timeout=60)
@@ -148,7 +156,7 @@ def test_weight_zero_turns_it_off() -> None:
         ]
         assert all(a.status_code == 200 for a in answers)
         assert all(r["pending"] == 0 for r in _route(s.url, "q3"))
-        assert "kvevents_pending_" not in httpx.get(s.url + "/metrics").text
+        assert "kvevents_pending_" not in httpx.get(s.url + "/metrics", timeout=60).text
 
 
 def test_burst_loadgen_reports_recomputed_tokens(stack: LocalStack) -> None:
@@ -183,7 +191,7 @@ def test_a_flood_of_unique_prompts_stays_within_the_bound() -> None:
     never holds more than its bound; every request is still answered."""
     bound = 1 << 16  # 64 KiB: four 1,500-token reservations
     with _stack(0.5, max_bytes=bound) as s:
-        wait_until(lambda: ready(s.url), what="/readyz")
+        wait_until(lambda: ready(s.url), timeout=60, what="/readyz")
         res = s.service.reservations
         assert res is not None
         peak = 0
