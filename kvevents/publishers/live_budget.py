@@ -77,9 +77,9 @@ class LiveBudget:
     ``per_subscriber_bytes`` and ``total_bytes`` the budget; ``batch_bytes_hint`` the
     batch size assumed until :data:`BLOCK_BATCHES` batches were seen;
     ``envelope_bytes`` the topic and seq frames' length.  ``adaptive=False`` (an
-    ``inproc://`` socket, whose peers do not reconnect) only watches: it never sets
-    :attr:`wanted`.  ``clock`` gives seconds (monotonic).  Only the sender thread calls
-    the methods.
+    ``inproc://`` socket, whose peers do not reconnect, or a bound ``ipc://*``, whose
+    file the old socket removes) only watches: it never sets :attr:`wanted`.  ``clock``
+    gives seconds (monotonic).  Only the sender thread calls the methods.
     """
 
     def __init__(
