@@ -67,10 +67,11 @@ def test_scrapes_racing_a_live_stream_never_fail() -> None:
         url = f"http://127.0.0.1:{port}/metrics"
         pub.wait_for_subscribers(1, pump=lambda: sub.receive(0.01))
         done = threading.Event()
+        stop = threading.Event()  # the test ended early: the owner lets go of `sub`
         applied = [0]
 
         def owner() -> None:  # the subscriber's thread: receives and applies
-            while applied[0] < n:
+            while applied[0] < n and not stop.is_set():
                 item = sub.receive(0.5)
                 if isinstance(item, ReceivedBatch):
                     index.apply(item.source, item.dp_rank, item.batch)
@@ -97,8 +98,9 @@ def test_scrapes_racing_a_live_stream_never_fail() -> None:
                     errors.append(repr(exc))
                 scrapes += 1
                 done.wait(0.001)
-            t.join(30)
         finally:
+            stop.set()
+            t.join(30)
             sub.close()
         assert errors == [] and scrapes >= n // 20
         body = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -211,7 +211,7 @@ class FaultyPublisher:
         self._stop.set()
         self.release.set()
         if self._thread is not None:
-            self._thread.join(2)
+            self._thread.join(10)  # it sees the stop within 20 ms, unless starved
             self.router.close(0)
         self.pub.close(0)
 
