@@ -78,8 +78,12 @@ class LiveBudget:
     batch size assumed until :data:`BLOCK_BATCHES` batches were seen;
     ``envelope_bytes`` the topic and seq frames' length.  ``adaptive=False`` (an
     ``inproc://`` socket, whose peers do not reconnect, or a bound ``ipc://*``, whose
-    file the old socket removes) only watches: it never sets :attr:`wanted`.  ``clock``
-    gives seconds (monotonic).  Only the sender thread calls the methods.
+    file the old socket removes) only watches: it never sets :attr:`wanted`.  When the
+    mark in use lets one subscriber's queue hold more than ``per_subscriber_bytes``, or
+    all of them more than ``total_bytes``, and no re-creation is asked for (watching
+    only, or a budget below one batch), it counts ``live_budget_overruns`` and warns,
+    once per episode (until neither is exceeded again).  ``clock`` gives seconds
+    (monotonic).  Only the sender thread calls the methods.
     """
 
     def __init__(
@@ -179,23 +183,39 @@ class LiveBudget:
         stats = self.stats
         stats.live_batch_bytes = int(self.estimate)
         batch = self._batch_bytes()
-        bound = int(self.hwm * batch) * max(1, self.subscribers)
+        per_subscriber = int(self.hwm * batch)
+        bound = per_subscriber * max(1, self.subscribers)
         stats.live_pinned_bytes_bound = bound
         if self.adaptive:
             self._decide()
-        over = bound > self.total_bytes and self.wanted is None
+        over_total = bound > self.total_bytes
+        over_client = per_subscriber > self.per_subscriber_bytes
+        # One episode while either part of the budget is exceeded and no re-creation
+        # is coming to fix it: one warning and one count at its start.
+        over = (over_total or over_client) and self.wanted is None
         if over and not self._over:
             stats.live_budget_overruns += 1
-            self.log.warning(
-                "live",
-                "subscribers could pin up to %d bytes (%d subscribers x %d batches of about "
-                "%d bytes), above the %d-byte budget",
-                bound,
-                max(1, self.subscribers),
-                self.hwm,
-                int(batch),
-                self.total_bytes,
-            )
+            if over_total:
+                self.log.warning(
+                    "live",
+                    "subscribers could pin up to %d bytes (%d subscribers x %d batches of "
+                    "about %d bytes), above the %d-byte budget",
+                    bound,
+                    max(1, self.subscribers),
+                    self.hwm,
+                    int(batch),
+                    self.total_bytes,
+                )
+            else:
+                self.log.warning(
+                    "live",
+                    "one subscriber could pin up to %d bytes (%d batches of about %d "
+                    "bytes), above the %d-byte budget per subscriber",
+                    per_subscriber,
+                    self.hwm,
+                    int(batch),
+                    self.per_subscriber_bytes,
+                )
         self._over = over
 
     def _decide(self) -> None:

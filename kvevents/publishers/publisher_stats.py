@@ -64,8 +64,9 @@ class PublisherStats:
       with that size, bytes), ``live_recreations`` (times the PUB socket was re-created
       with another mark, by reason in ``live_recreation_reasons``: ``subscribers``,
       ``batch_size``, ``grow``) and ``live_budget_overruns`` (times that bound went
-      above ``live_max_bytes_in_flight`` with no re-creation to fix it; each is a
-      warning).
+      above ``live_max_bytes_in_flight``, or one subscriber's share of it above
+      ``live_max_client_bytes``, with no re-creation to fix it; each is a warning, once
+      until neither is exceeded).
     * ``head_batches_held``: in connect mode, batches published before the collector's
       first subscription arrived and held until it did.
     * ``replay_buffer_bytes``: payload bytes in the replay ring now (at most

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ import pytest
 import zmq
 from pubtest_helpers import recv, removed_batch, subscribe, wait_until
 
-from kvevents.codec import unpack_seq
+from kvevents import BlockRemoved, KVEventBatch
+from kvevents.codec import encode_batch, unpack_seq
 from kvevents.publishers import ZmqEventPublisher
 from kvevents.publishers.live_budget import BLOCK_BATCHES, LiveBudget
 from kvevents.publishers.publisher_stats import PublisherStats
@@ -241,3 +243,57 @@ def test_a_wildcard_ipc_socket_is_never_recreated(
             n += 1
             assert n < 2 * BLOCK_BATCHES + 500, "the subscriber never received"
         sub.close()
+
+
+def test_a_watch_only_socket_warns_once_when_one_subscriber_could_pin_above_its_budget(
+    ctx_instance: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``inproc://`` socket is never re-created: when batches far above the hint make
+    one subscriber's queue able to hold more than ``live_max_client_bytes`` (the total
+    budget far away), the publisher counts an overrun and warns, once while it lasts,
+    and again when it comes back after the batches shrank."""
+    big = KVEventBatch(0.0, [BlockRemoved(list(range(1 << 40, (1 << 40) + 100)), "GPU")])
+    small = removed_batch(1)
+    hint = len(encode_batch(small)) + 16  # small batches fit the mark with room to spare
+    caplog.set_level(logging.WARNING, logger="kvevents.publishers.zmq_publisher")
+    with ZmqEventPublisher(
+        endpoint=f"inproc://kv-budget-{uuid.uuid4().hex}",
+        live_max_client_bytes=1 * MiB,
+        live_max_bytes_in_flight=1024 * MiB,
+        live_batch_bytes_hint=hint,
+        warn_interval_s=0,
+    ) as pub:
+        hwm = pub.stats.live_hwm
+        assert hwm == 1 * MiB // (hint + 8 + 3 * 64)
+        sub = subscribe(ctx_instance, pub.endpoint)
+        wait_until(lambda: pub.stats.live_subscribers == 1, what="the subscription")
+
+        def overruns_after(batch: KVEventBatch, pred: Any) -> int:
+            def step() -> bool:
+                for _ in range(BLOCK_BATCHES):
+                    pub.publish(batch)
+                return bool(pred())
+
+            wait_until(step, what="the budget to follow")
+            return pub.stats.live_budget_overruns
+
+        # One block of ~1 kB batches: hwm x 1.2 kB is above 1 MiB, far below 1 GiB.
+        assert overruns_after(big, lambda: pub.stats.live_batch_bytes > 500) == 1
+        assert 1 * MiB < pub.stats.live_pinned_bytes_bound < 1024 * MiB
+        for _ in range(3 * BLOCK_BATCHES):  # the same episode: no second count
+            pub.publish(big)
+        wait_until(lambda: pub.queue_size == 0, what="the batches to be sent")
+        assert pub.stats.live_budget_overruns == 1
+        # Small batches bring the bound back under the budget; big ones again: a new one.
+        overruns_after(small, lambda: pub.stats.live_pinned_bytes_bound <= 1 * MiB)
+        assert overruns_after(big, lambda: pub.stats.live_budget_overruns == 2) == 2
+        assert pub.stats.live_recreations == 0
+        assert pub.stats.live_hwm == hwm
+        assert sub.poll(0)  # still the subscriber's socket
+        sub.close()
+    warnings = [r.getMessage() for r in caplog.records if "could pin" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert all(
+        "one subscriber could pin" in w and "1048576-byte budget per subscriber" in w
+        for w in warnings
+    ), warnings
