@@ -124,7 +124,6 @@ class LiveBudget:
         self._changed_at = clock()
         self._batch_at_change = self._batch_bytes()
         self._over = False
-        stats.live_hwm = hwm
 
     # --- inputs ---------------------------------------------------------------------
 

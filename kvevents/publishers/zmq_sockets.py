@@ -168,11 +168,8 @@ class PublisherSockets:
         if not self.attach_pending:
             return True
         try:
-            if self.bind:
-                self.pub.bind(self.endpoint)
-            else:
-                self.pub.connect(self.endpoint)
-        except zmq.ZMQError:
+            _attach(self.pub, self.endpoint, bind=self.bind, what="PUB")
+        except ConfigError:
             return False
         self.attach_pending = False
         return True
