@@ -113,6 +113,19 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--scrape-interval", type=float, metavar="S", help="engine /metrics interval (1)"
     )
+    p.add_argument(
+        "--scrape-timeout",
+        type=float,
+        metavar="S",
+        help="time one engine /metrics read may take, connect included (2)",
+    )
+    p.add_argument(
+        "--scrape-failures",
+        type=int,
+        metavar="N",
+        help="consecutive failed /metrics reads that mark an engine down (3); a failed "
+        "request marks it down at once",
+    )
     p.add_argument("--seed", type=int, help="seed of the random policy")
     p.add_argument(
         "--nats",

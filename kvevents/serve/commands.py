@@ -53,6 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "blocks_per_chunk": args.blocks_per_chunk,
             "load_tokens": args.load_tokens,
             "scrape_interval_s": args.scrape_interval,
+            "scrape_timeout_s": args.scrape_timeout,
+            "scrape_failures": args.scrape_failures,
             "seed": args.seed,
             "nats_url": args.nats,
             "nats_stream": args.stream,

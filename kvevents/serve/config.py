@@ -50,6 +50,11 @@ class ServeConfig:
     * ``load_tokens``: what one request already in flight on an engine costs a new one,
       in prompt tokens (the router trades reuse against this).
     * ``scrape_interval_s``: how often engines' ``/metrics`` are read.
+    * ``scrape_timeout_s``: how long one ``/metrics`` read may take (connect and answer).
+    * ``scrape_failures``: consecutive failed scrapes that mark an engine down (a failed
+      request marks it down at once); an engine that is gone is so marked within about
+      ``scrape_failures`` x ``scrape_interval_s`` seconds (plus ``scrape_timeout_s`` per
+      scrape when it stops answering rather than refusing).
     * ``request_timeout_s``: upstream timeout; ``connect_timeout_s`` the connect part.
     * ``retry_after_s``: how long an engine marked down is skipped before it is tried again.
     * ``stale_after_s``: an engine rank whose stream brings no event and whose replay
@@ -74,6 +79,8 @@ class ServeConfig:
     blocks_per_chunk: int | None = None
     load_tokens: float = 64.0
     scrape_interval_s: float = 1.0
+    scrape_timeout_s: float = 2.0
+    scrape_failures: int = 3
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     retry_after_s: float = 2.0
@@ -125,6 +132,8 @@ class ServeConfig:
             raise ConfigError(f"port {self.port} out of range")
         if self.load_tokens < 0 or self.scrape_interval_s <= 0 or self.retry_after_s < 0:
             raise ConfigError("load_tokens, retry_after_s must be >= 0; scrape_interval_s > 0")
+        if not self.scrape_timeout_s > 0 or self.scrape_failures < 1:
+            raise ConfigError("scrape_timeout_s must be > 0 and scrape_failures >= 1")
         if self.blocks_per_chunk is not None and self.blocks_per_chunk < 1:
             raise ConfigError("blocks_per_chunk must be >= 1")
         if not self.stale_after_s > 0:
@@ -147,6 +156,8 @@ _OPTION_TYPES: dict[str, type] = {
     "blocks_per_chunk": int,
     "load_tokens": float,
     "scrape_interval_s": float,
+    "scrape_timeout_s": float,
+    "scrape_failures": int,
     "request_timeout_s": float,
     "connect_timeout_s": float,
     "retry_after_s": float,

@@ -33,9 +33,11 @@ events are dropped, as routers that ignore events without tokens do), so that po
 neither sees nor predicts the CPU tier.  With a ``capture`` writer, every batch received
 is also written to it, as ``kvevents record`` would.
 
-Health: an engine whose HTTP front refuses connections is marked down
+Health: an engine whose HTTP front refuses a request's connection is marked down
 (:meth:`Fleet.mark_down`) and skipped until :meth:`Fleet.mark_up` (the metrics scrape
-reaching it again).
+reaching it again).  A failed metrics scrape alone marks it down only when it is the
+``scrape_failures``-th in a row (:meth:`Fleet.scrape_failed`), so that one late scrape
+(the service's own loop stalled) does not take a healthy engine out of routing.
 
 Completeness: a rank is ``complete`` when its index knows its history from seq 0, or
 from a resume point restored from a peer's snapshot that the replay still covered;
@@ -286,6 +288,7 @@ class Fleet:
         self._sources: list[_WatchedSource] = []
         self.down_until: dict[str, float] = {}
         self.down_reason: dict[str, str] = {}
+        self.scrape_failures: dict[str, int] = {}
         if config.nats_url is not None:
             self._init_jetstream(config)
             return
@@ -420,6 +423,24 @@ class Fleet:
         if self.down_until.pop(engine, None) is not None:
             logger.warning("engine %s is back", engine)
         self.down_reason.pop(engine, None)
+
+    def scrape_failed(self, engine: str, reason: str) -> bool:
+        """Count one failed metrics scrape of ``engine`` (in ``scrape_failures``, reset by
+        :meth:`scrape_ok`); mark it down when this is the ``config.scrape_failures``-th
+        failure in a row, or when it is marked down already and not seen back since (it
+        stays down).  True when it was marked down."""
+        n = self.scrape_failures.get(engine, 0) + 1
+        self.scrape_failures[engine] = n
+        if n < self.config.scrape_failures and engine not in self.down_until:
+            return False
+        self.mark_down(engine, f"{reason} ({n} failed scrapes in a row)")
+        return True
+
+    def scrape_ok(self, engine: str) -> None:
+        """A metrics scrape of ``engine`` answered: its failure count restarts and it is
+        marked up."""
+        self.scrape_failures[engine] = 0
+        self.mark_up(engine)
 
     def not_ready(self) -> list[str]:
         """Ranks that have never been ready, as ``NAME:RANK (why)``.  A rank that was ready

@@ -91,6 +91,7 @@ class WorkersReport:
                     "replay_endpoint": st.replay_endpoint,
                     "up": up,
                     "down_reason": self.fleet.down_reason.get(st.engine.name),
+                    "scrape_failures": self.fleet.scrape_failures.get(st.engine.name, 0),
                     "state": "live" if up and st.connected and not st.stale else "stale",
                     "trusted": st.trusted,
                     "completeness": st.completeness,

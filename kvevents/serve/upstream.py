@@ -67,8 +67,11 @@ class EngineClients:
     * ``models``: every model card seen, by id; ``loras``: the ids that are adapters
       (cards with a ``parent``); ``engine_models``: the ids each engine listed.
 
-    An engine that does not answer (a transport error) is marked down in the fleet and
-    counted in ``kvevents_serve_upstream_errors``; one that answers is marked up.
+    Every transport error is counted in ``kvevents_serve_upstream_errors``.  An engine
+    whose ``/tokenize`` does not answer is marked down in the fleet at once; one whose
+    ``/metrics`` does not answer within ``scrape_timeout_s`` only after
+    ``scrape_failures`` such scrapes in a row (:meth:`Fleet.scrape_failed`); one whose
+    ``/metrics`` answers is marked up.
     """
 
     def __init__(
@@ -119,7 +122,7 @@ class EngineClients:
     async def _scrape(self, name: str, models: bool) -> None:
         spec = next(e for e in self.config.engines if e.name == name)
         client = self.clients[name]
-        timeout = httpx.Timeout(max(1.0, self.config.scrape_interval_s * 2), connect=1.0)
+        timeout = httpx.Timeout(self.config.scrape_timeout_s)
         try:
             r = await client.get(spec.http_base() + "/metrics", timeout=timeout)
             if r.status_code == 200:
@@ -133,12 +136,12 @@ class EngineClients:
                         g.get(GAUGES[1], 0.0),
                         g.get(GAUGES[2], 0.0),
                     )
-            self.fleet.mark_up(name)
+            self.fleet.scrape_ok(name)
             if models or not self.models:
                 await self.fetch_models(spec.name, spec.http_base())
         except httpx.TransportError as exc:
             self.metrics.upstream_errors.labels(name, "scrape").inc()
-            self.fleet.mark_down(name, f"/metrics: {type(exc).__name__}")
+            self.fleet.scrape_failed(name, f"/metrics: {type(exc).__name__}")
 
     async def fetch_models(self, name: str, url: str) -> list[dict[str, Any]]:
         """Engine ``name``'s ``/v1/models`` cards (``url`` is its base URL), recorded in

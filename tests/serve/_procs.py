@@ -123,7 +123,9 @@ def spec_parts(spec: str) -> tuple[str, str, str, str]:
 class CutProxy:
     """A loopback TCP proxy to ``target`` (``tcp://HOST:PORT``) whose links can be cut:
     :meth:`cut` closes every connection and refuses new ones (closed as soon as
-    accepted) until :meth:`restore`.  :attr:`endpoint` is the proxy's ``tcp://``."""
+    accepted) until :meth:`restore`; :meth:`refuse_once` closes every connection and
+    refuses only the next one.  :attr:`refused` and :attr:`forwarded` count the
+    connections refused and forwarded.  :attr:`endpoint` is the proxy's ``tcp://``."""
 
     def __init__(self, target: str) -> None:
         host, port = target.removeprefix("tcp://").rsplit(":", 1)
@@ -136,6 +138,9 @@ class CutProxy:
         self.open = True
         self.closed = False
         self.lsock.settimeout(0.05)  # the accept loop checks ``closed`` this often
+        self.refused = 0
+        self.forwarded = 0
+        self._refuse = 0
         self._links: list[socket.socket] = []
         self._lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
@@ -151,7 +156,12 @@ class CutProxy:
             except OSError:
                 return
             conn.settimeout(None)
-            if not self.open:
+            with self._lock:
+                refuse = not self.open or self._refuse > 0
+                if refuse:
+                    self._refuse = max(0, self._refuse - 1)
+                    self.refused += 1
+            if refuse:
                 conn.close()
                 continue
             try:
@@ -166,6 +176,7 @@ class CutProxy:
                     up.close()
                     return
                 self._links += [conn, up]
+                self.forwarded += 1
                 for src, dst in ((conn, up), (up, conn)):
                     t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
                     self._pumps.append(t)
@@ -188,6 +199,9 @@ class CutProxy:
 
     def cut(self) -> None:
         self.open = False
+        self._cut_links()
+
+    def _cut_links(self) -> None:
         with self._lock:
             links, self._links = self._links, []
         for s in links:
@@ -196,6 +210,12 @@ class CutProxy:
             except OSError:
                 pass
             s.close()
+
+    def refuse_once(self) -> None:
+        """Close every link and refuse the next connection only."""
+        with self._lock:
+            self._refuse = 1
+        self._cut_links()
 
     def restore(self) -> None:
         self.open = True

@@ -177,3 +177,16 @@ def test_local_tokenizer_files(tmp_path: Path) -> None:
     SimTokenizer(1000).save(str(good))
     tok = LocalTokenizer(str(good))
     assert tok.handles_chat and tok.encode("a b") == SimTokenizer(1000).encode("a b")
+
+
+def test_scrape_timeout_and_failures(tmp_path: Path) -> None:
+    eng = ["a=http://h:1,tcp://h:2"]
+    default = load_config(environ={}, engines=eng)
+    assert (default.scrape_timeout_s, default.scrape_failures) == (2.0, 3)
+    f = tmp_path / "s.toml"
+    f.write_text("scrape_timeout_s = 0.5\nscrape_failures = 2\n")
+    c = load_config(config_file=str(f), environ={}, engines=eng)
+    assert (c.scrape_timeout_s, c.scrape_failures) == (0.5, 2)
+    for bad in ({"scrape_timeout_s": 0}, {"scrape_failures": 0}):
+        with pytest.raises(ConfigError, match="scrape_timeout_s must be > 0"):
+            load_config(environ={}, engines=eng, options=bad)
