@@ -78,6 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((config.host, config.port))
+        # listen now, not when uvicorn starts serving after the app's startup: a client
+        # that read the "listening" line is queued in the backlog, not refused
+        sock.listen(2048)
     except OSError as exc:
         service.fleet.close()
         raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
