@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from _sglang_wire import SglBatch, SglMetadata, SglRemoved, SglStored, SglStoredWithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -380,47 +381,12 @@ def test_describe_payload_infers_the_producer_generation(
     assert (shape.event_form, shape.vllm_versions) == (form, versions)
 
 
-# A current SGLang producer (python/sglang/srt/disaggregation/kv_events.py) keeps vLLM's
-# pre-0.24 array form but sends a salted store as an 8-element array whose last element
-# is a ``{"cache_salt": ...}`` map: the slot where vLLM 0.13-0.15 carried ``lora_name``.
-class _SglEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
-    pass
-
-
-class _SglMetadata(msgspec.Struct, omit_defaults=True, gc=False):
-    cache_salt: str
-
-
-class _SglStored(_SglEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-
-
-class _SglStoredWithMetadata(_SglStored, tag="BlockStored", kw_only=True):
-    metadata: _SglMetadata
-
-
-class _SglRemoved(_SglEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class _SglBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Any]
-    attn_dp_rank: int | None = None
-
-
 def test_sglang_salted_store_with_foreign_trailing_field_keeps_the_batch() -> None:
-    salted = _SglStoredWithMetadata(
-        [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", metadata=_SglMetadata("salt")
+    salted = SglStoredWithMetadata(
+        [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", metadata=SglMetadata("salt")
     )
     payload = msgspec.msgpack.encode(
-        _SglBatch(2.0, [salted, _SglRemoved([9], "GPU"), _SglStored([13], 12, [5, 6], 2, None)], 1)
+        SglBatch(2.0, [salted, SglRemoved([9], "GPU"), SglStored([13], 12, [5, 6], 2, None)], 1)
     )
     assert msgspec.msgpack.decode(payload)[1][0][-1] == {"cache_salt": "salt"}
     stats = DecodeStats()
@@ -443,12 +409,12 @@ def test_array_event_with_a_mistyped_required_field_is_still_an_error() -> None:
 def test_describe_payload_does_not_date_a_foreign_positional_event() -> None:
     # An SGLang salted store has 8 elements like a vLLM 0.13-0.18 store, but its last
     # element is a map, which no vLLM release wrote there: no vLLM version is claimed.
-    salted = _SglStoredWithMetadata([1], None, [1, 2], 2, None, "GPU", metadata=_SglMetadata("s"))
-    payload = msgspec.msgpack.encode(_SglBatch(1.0, [salted], 0))
+    salted = SglStoredWithMetadata([1], None, [1, 2], 2, None, "GPU", metadata=SglMetadata("s"))
+    payload = msgspec.msgpack.encode(SglBatch(1.0, [salted], 0))
     assert describe_payload(payload).event_form == "array"
     assert describe_payload(payload).vllm_versions == ""
-    plain = _SglStored([1], None, [1, 2], 2, None, "GPU")
-    assert describe_payload(msgspec.msgpack.encode(_SglBatch(1.0, [plain], 0))).vllm_versions == (
+    plain = SglStored([1], None, [1, 2], 2, None, "GPU")
+    assert describe_payload(msgspec.msgpack.encode(SglBatch(1.0, [plain], 0))).vllm_versions == (
         "0.11-0.15"
     )
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from _sglang_wire import SglBatch, SglMetadata, SglRemoved, SglStored, SglStoredWithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,38 +107,6 @@ def test_golden_payloads_of_every_release() -> None:
             assert payload_counts(ours) == (0, len(payloads), 0)
 
 
-class _SglEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
-    pass
-
-
-class _SglStored(_SglEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-
-
-class _SglMeta(msgspec.Struct):
-    cache_salt: str
-
-
-class _SglSalted(_SglStored, tag="BlockStored", kw_only=True):
-    metadata: _SglMeta
-
-
-class _SglRemoved(_SglEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class _SglBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Any]
-    attn_dp_rank: int | None = None
-
-
 def test_sglang_map_and_array_forms_fall_back_counted() -> None:
     map_form = ENC.encode(
         {
@@ -151,9 +120,9 @@ def test_sglang_map_and_array_forms_fall_back_counted() -> None:
         }
     )  # fmt: skip
     array_form = ENC.encode(
-        _SglBatch(2.0, [_SglSalted([11, 12], None, list(range(8)), 4, None, "GPU",
-                                   metadata=_SglMeta("salt")),
-                        _SglRemoved([11], "GPU"), _SglStored([13], 12, [5, 6, 7, 8], 4, None)], 1)
+        SglBatch(2.0, [SglStoredWithMetadata([11, 12], None, list(range(8)), 4, None, "GPU",
+                                   metadata=SglMetadata("salt")),
+                        SglRemoved([11], "GPU"), SglStored([13], 12, [5, 6, 7, 8], 4, None)], 1)
     )  # fmt: skip
     stream = [(("s", 0), map_form), (("s", 1), array_form), (("s", 0), map_form)]
     ours, spec = feed_both(stream)
