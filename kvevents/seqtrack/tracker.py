@@ -452,10 +452,7 @@ class StreamTracker(Generic[T]):
                 if self._heap:
                     self._resolve(self._heap[0] - 1, "replay rounds exhausted", out)
                     self._release(out)
-            self._replaying = False
-            self._replay_id += 1
-            self._rounds = 0
-            self._quiet = False
+            self._end_replay()
             return out
         nxt = self._next
         # Live traffic lost after the request was made, or a reply stream cut short
@@ -495,10 +492,7 @@ class StreamTracker(Generic[T]):
         if self._heap:
             self._resolve(max(self._pending) - 1, detail, out)
         self._release(out)
-        self._replaying = False
-        self._replay_id += 1
-        self._rounds = 0
-        self._quiet = False
+        self._end_replay()
         return out
 
     # --- internals ------------------------------------------------------------------
@@ -533,6 +527,14 @@ class StreamTracker(Generic[T]):
         self._ahead = _NEVER  # lowest seq this replay offered ahead of the live path
         self._quiet = False
         return StartReplay(start, self._replay_id)
+
+    def _end_replay(self) -> None:
+        """The replay in progress is over (ended or failed): its replies and end marker,
+        should they still come, are stale, and the next replay starts a new round count."""
+        self._replaying = False
+        self._replay_id += 1
+        self._rounds = 0
+        self._quiet = False
 
     def _buffer(self, seq: int, item: T, fingerprint: Hashable, replayed: bool) -> None:
         self._pending[seq] = (item, fingerprint, replayed)
