@@ -1,8 +1,9 @@
 """What the demo runs: the policies it compares, the engine shape, the workload size
 and timing (:class:`DemoConfig`), and how arrivals are cut into waves.
 
-One job: the demo's configuration.  Imports the sim engine's config and workload and the
-load generator's config (:mod:`kvevents.serve.loadgen`, which needs no extra at import).
+One job: the demo's configuration.  Imports the sim engine's, its HTTP front's and the
+service's configs, the workload and the load generator's config (none of which needs
+an extra at import).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvevents.serve.config import ServeConfig
 from kvevents.serve.loadgen import LoadgenConfig
 from kvevents.sim.block_pool import KVCacheGroupSpec
 from kvevents.sim.engine import SimEngineConfig
+from kvevents.sim.http import SimHTTPConfig
 from kvevents.sim.workload import SimRequest
 
 __all__ = ["KV_AWARE_POLICIES", "POLICIES", "POLICY_LABELS", "DemoConfig", "waves"]
@@ -88,6 +91,26 @@ class DemoConfig:
         """The engine shape: :attr:`engine`, else the default, on :attr:`device`."""
         base = self.engine or default_demo_engine()
         return base if self.device == "cpu" else replace(base, device=self.device)
+
+    def sim_http(self) -> SimHTTPConfig:
+        """The simulated engines' HTTP fronts: :meth:`engine_config` at the demo's timing."""
+        return SimHTTPConfig(
+            engine=self.engine_config(),
+            step_s=self.step_s,
+            prefill_s_per_token=self.prefill_s_per_token,
+        )
+
+    def serve(self, policy: str, **options: Any) -> ServeConfig:
+        """The service's configuration routing by ``policy``, scraping the engines every
+        0.25 s; ``options`` are further :class:`ServeConfig` fields."""
+        return ServeConfig(
+            policy=policy,
+            blocks_per_chunk=self.engine_config().blocks_per_chunk,
+            seed=self.seed,
+            scrape_interval_s=0.25,
+            load_tokens=self.load_tokens,
+            **options,
+        )
 
     def loadgen(self, url: str) -> LoadgenConfig:
         """The load generator's configuration against ``url``."""

@@ -23,9 +23,7 @@ from typing import Any
 from kvevents.demo.config import DemoConfig
 from kvevents.demo.stack import LocalStack
 from kvevents.serve import require_serve_extra
-from kvevents.serve.config import ServeConfig
 from kvevents.serve.loadgen import run_loadgen
-from kvevents.sim.http import SimHTTPConfig
 
 __all__ = ["DISAGG_POLICIES", "DisaggResult", "format_disagg", "run_disagg"]
 
@@ -89,18 +87,8 @@ def _run_one(
 ) -> DisaggResult:
     import httpx
 
-    engine_cfg = config.engine_config()
-    sim = SimHTTPConfig(
-        engine=engine_cfg, step_s=config.step_s, prefill_s_per_token=config.prefill_s_per_token
-    )
-    serve = ServeConfig(
-        policy=policy,
-        blocks_per_chunk=engine_cfg.blocks_per_chunk,
-        seed=config.seed,
-        scrape_interval_s=0.25,
-        load_tokens=config.load_tokens,
-        pd_min_uncached_tokens=min_uncached,
-    )
+    sim = config.sim_http()
+    serve = config.serve(policy, pd_min_uncached_tokens=min_uncached)
     res = DisaggResult(policy)
     with LocalStack(0, serve=serve, sim=sim, prefill=prefill, decode=decode) as stack:
         deadline = time.monotonic() + config.catch_up_timeout_s

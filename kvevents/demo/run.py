@@ -23,10 +23,8 @@ from kvevents.demo.results import DemoReport, PolicyResult
 from kvevents.demo.stack import LocalStack
 from kvevents.errors import ConfigError
 from kvevents.serve import require_serve_extra
-from kvevents.serve.config import ServeConfig
 from kvevents.serve.loadgen import run_loadgen
 from kvevents.sim.engine import SimEngineConfig
-from kvevents.sim.http import SimHTTPConfig
 
 __all__ = ["DemoFleet", "DemoWorker", "run_demo", "run_policy"]
 
@@ -99,18 +97,9 @@ def run_policy(
 
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-    engine_cfg = config.engine_config()
     res = PolicyResult(policy)
-    sim = SimHTTPConfig(
-        engine=engine_cfg, step_s=config.step_s, prefill_s_per_token=config.prefill_s_per_token
-    )
-    serve = ServeConfig(
-        policy=policy,
-        blocks_per_chunk=engine_cfg.blocks_per_chunk,
-        seed=config.seed,
-        scrape_interval_s=0.25,
-        load_tokens=config.load_tokens,
-    )
+    sim = config.sim_http()
+    serve = config.serve(policy)
     n = config.engines * config.dp_ranks
     events_host, events_port = _engine_host_port(config.bind)
     with LocalStack(
