@@ -10,7 +10,6 @@ service for the ring one time, not one time per reason.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _tcp_proxy import CutProxy
 from _zmq_helpers import make_batch, wait_until
 
 from kvevents.consumers import Anomaly, BlockIndex, ReceivedBatch, Subscriber, SubscriberOptions
@@ -63,91 +63,6 @@ class PacedPublisher:
         if self._thread.is_alive():
             self._thread.join(30)
         self.pub.shutdown()
-
-
-class TcpRelay:
-    """A loopback TCP relay in front of ``target`` (host, port) whose connections
-    :meth:`cut` closes (the peers see a dropped connection; new ones are relayed).
-
-    Its threads end with :meth:`close` and are joined there: a peer going away (the
-    target refusing, a connection reset) is expected and ends one link quietly, so
-    nothing the relay does can outlive its test or raise into a later one."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(8)
-        self.listener.settimeout(0.05)  # the accept loop checks the stop event this often
-        self.port = int(self.listener.getsockname()[1])
-        self.conns: list[socket.socket] = []
-        self.accepted = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept, daemon=True)
-        self._acceptor.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                a, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            a.settimeout(None)
-            try:
-                b = socket.create_connection(self.target, timeout=5)
-            except OSError:  # the target is gone (refused, reset): drop this peer
-                a.close()
-                continue
-            b.settimeout(None)
-            with self._lock:
-                if self._stop.is_set():
-                    a.close()
-                    b.close()
-                    return
-                self.conns += [a, b]
-                self.accepted += 1
-                for x, y in ((a, b), (b, a)):
-                    t = threading.Thread(target=self._pipe, args=(x, y), daemon=True)
-                    self._threads.append(t)
-                    t.start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cut(self) -> None:
-        with self._lock:
-            conns, self.conns = self.conns, []
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        """Stop accepting, cut every link and join every thread (5 s each at most)."""
-        self._stop.set()
-        self._acceptor.join(5)
-        self.listener.close()
-        self.cut()
-        with self._lock:
-            threads, self._threads = self._threads, []
-        for t in threads:
-            t.join(5)
 
 
 def test_late_join_asks_the_ring_once() -> None:
@@ -197,10 +112,9 @@ def test_reconnect_checks_known_streams_without_the_whole_ring() -> None:
     replay from its last applied seq (one batch of overlap: the fingerprint it
     compares), not by a second replay of the whole ring on top."""
     pub = PacedPublisher(total=300, ahead=300)
-    port = int(pub.endpoint.rsplit(":", 1)[1])
-    relay = TcpRelay(("127.0.0.1", port))
+    relay = CutProxy(pub.endpoint)
     sub = Subscriber(
-        f"tcp://127.0.0.1:{relay.port}",
+        relay.endpoint,
         replay_endpoints=[pub.replay],
         options=SubscriberOptions(stale_after_s=None),
     )
@@ -213,7 +127,7 @@ def test_reconnect_checks_known_streams_without_the_whole_ring() -> None:
             if isinstance(item, ReceivedBatch):
                 seqs.append(item.seq)
         assert sub.stats.replays["requested"] == 1
-        relay.cut()  # libzmq reconnects through the relay; the monitor reports both
+        relay.drop_links()  # libzmq reconnects through the relay; the monitor reports both
         while sub.stats.replays["completed"] < 2:
             assert time.monotonic() < end, dict(sub.stats.replays)
             item = sub.receive(0.1)

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from _tcp_proxy import CutProxy
 
-from serve._procs import CutProxy, Proc, serve, sim_engines, spec_parts, wait_until
+from serve._procs import Proc, serve, sim_engines, spec_parts, wait_until
 
 INTERVAL = 0.3
 FAILURES = 3

@@ -16,8 +16,9 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 import httpx
+from _tcp_proxy import CutProxy
 
-from serve._procs import CutProxy, Proc, serve, sim_engines, spec_parts, wait_until
+from serve._procs import Proc, serve, sim_engines, spec_parts, wait_until
 
 STALE_AFTER_S = 2.0
 PROMPT = "an old conversation that only the first engine holds in its cache. " * 8
