@@ -46,27 +46,18 @@ class ParsedBatch {
       case kvn::Kind::Stored: {
         PyObject* t = PyTuple_New(16);
         if (!t) throw nb::python_error();
+        nb::object own = nb::steal(t);
         PyTuple_SET_ITEM(t, 0, str_of("BlockStored"));
         PyTuple_SET_ITEM(t, 1, hashes(e));
         PyTuple_SET_ITEM(t, 2, e.has_parent ? hash(e.parent) : none());
         PyObject* toks = PyList_New(e.nt);
-        if (!toks) throw nb::python_error();
-        for (uint32_t j = 0; j < e.nt; ++j)
-          PyList_SET_ITEM(toks, j, PyLong_FromLongLong(b_.tokens[e.t0 + j]));
+        if (toks) {
+          for (uint32_t j = 0; j < e.nt; ++j)
+            PyList_SET_ITEM(toks, j, PyLong_FromLongLong(b_.tokens[e.t0 + j]));
+        }
         PyTuple_SET_ITEM(t, 3, toks);
-        PyTuple_SET_ITEM(t, 4, PyLong_FromLongLong(e.block_size));
-        PyTuple_SET_ITEM(t, 5, opt_int(e.lora_id));
-        PyTuple_SET_ITEM(t, 6, opt_str(e.medium));
-        PyTuple_SET_ITEM(t, 7, opt_str(e.lora_name));
-        PyTuple_SET_ITEM(t, 8, e.has_extra ? raw(e.extra) : none());
-        PyTuple_SET_ITEM(t, 9, opt_int(e.group_idx));
-        PyTuple_SET_ITEM(t, 10, opt_str(e.spec_kind));
-        PyTuple_SET_ITEM(t, 11, opt_int(e.window));
-        PyTuple_SET_ITEM(t, 12, opt_str(e.locality));
-        PyTuple_SET_ITEM(t, 13, opt_str(e.ownership));
-        PyTuple_SET_ITEM(t, 14, opt_str(e.session_id));
-        PyTuple_SET_ITEM(t, 15, e.has_lookahead ? raw(e.lookahead) : none());
-        return nb::steal(t);
+        set_store_fields(t, 4, e);
+        return own;
       }
       case kvn::Kind::Removed: {
         PyObject* t = PyTuple_New(6);
@@ -161,20 +152,7 @@ class ParsedBatch {
           PyTuple_SET_ITEM(t, 4, PyBytes_FromStringAndSize(
                                      reinterpret_cast<const char*>(b_.tokens.data() + e.t0),
                                      static_cast<Py_ssize_t>(e.nt) * 8));
-          PyTuple_SET_ITEM(t, 5, PyLong_FromLongLong(e.block_size));
-          PyTuple_SET_ITEM(t, 6, opt_int(e.lora_id));
-          PyTuple_SET_ITEM(t, 7, opt_str(e.medium));
-          PyTuple_SET_ITEM(t, 8, opt_str(e.lora_name));
-          PyTuple_SET_ITEM(t, 9, e.has_extra ? raw(e.extra) : none());
-          PyTuple_SET_ITEM(t, 10, opt_int(e.group_idx));
-          PyTuple_SET_ITEM(t, 11, opt_str(e.spec_kind));
-          PyTuple_SET_ITEM(t, 12, opt_int(e.window));
-          PyTuple_SET_ITEM(t, 13, opt_str(e.locality));
-          PyTuple_SET_ITEM(t, 14, opt_str(e.ownership));
-          PyTuple_SET_ITEM(t, 15, opt_str(e.session_id));
-          PyTuple_SET_ITEM(t, 16, e.has_lookahead ? raw(e.lookahead) : none());
-          for (Py_ssize_t x = 0; x < 17; ++x)
-            if (!PyTuple_GET_ITEM(t, x)) throw nb::python_error();
+          set_store_fields(t, 5, e);
           out.append(own);
           break;
         }
@@ -261,6 +239,24 @@ class ParsedBatch {
     if (!l) throw nb::python_error();
     for (uint32_t j = 0; j < e.nh; ++j) PyList_SET_ITEM(l, j, hash(b_.hashes[e.h0 + j]));
     return l;
+  }
+  // A store's fields from block_size on (vLLM 0.33 order), into ``t`` from index ``at``
+  // to its end; then every item of ``t`` must have been built (else the Python error).
+  void set_store_fields(PyObject* t, Py_ssize_t at, const kvn::Event& e) const {
+    PyTuple_SET_ITEM(t, at, PyLong_FromLongLong(e.block_size));
+    PyTuple_SET_ITEM(t, at + 1, opt_int(e.lora_id));
+    PyTuple_SET_ITEM(t, at + 2, opt_str(e.medium));
+    PyTuple_SET_ITEM(t, at + 3, opt_str(e.lora_name));
+    PyTuple_SET_ITEM(t, at + 4, e.has_extra ? raw(e.extra) : none());
+    PyTuple_SET_ITEM(t, at + 5, opt_int(e.group_idx));
+    PyTuple_SET_ITEM(t, at + 6, opt_str(e.spec_kind));
+    PyTuple_SET_ITEM(t, at + 7, opt_int(e.window));
+    PyTuple_SET_ITEM(t, at + 8, opt_str(e.locality));
+    PyTuple_SET_ITEM(t, at + 9, opt_str(e.ownership));
+    PyTuple_SET_ITEM(t, at + 10, opt_str(e.session_id));
+    PyTuple_SET_ITEM(t, at + 11, e.has_lookahead ? raw(e.lookahead) : none());
+    for (Py_ssize_t x = 0; x < PyTuple_GET_SIZE(t); ++x)
+      if (!PyTuple_GET_ITEM(t, x)) throw nb::python_error();
   }
 
   nb::object owner_;
