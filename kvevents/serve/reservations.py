@@ -70,6 +70,11 @@ class Reservations:
         return self.overlay.stats
 
     def gauges(self) -> dict[str, float]:
+        """Live reservations and their bytes, after ending what is due: a quiet service
+        routes nothing that would sweep, and reservations its engines confirmed after
+        their requests finished (or that expired) would otherwise read as live."""
+        with self.fleet.lock:
+            self.overlay.sweep(self.fleet.index)
         return {"entries": float(len(self.overlay)), "bytes": float(self.overlay.nbytes)}
 
     def reserve(self, key: RequestKey, state: RankState) -> int | None:
