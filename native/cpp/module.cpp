@@ -15,6 +15,7 @@
 
 #include "assemble.hpp"
 #include "keys.hpp"
+#include "marks.hpp"
 #include "walk.hpp"
 #include "wire.hpp"
 
@@ -350,6 +351,105 @@ uint64_t chain_units(uint64_t parent, nb::handle tokens, int64_t unit) {
   return kvn::chain_units(parent, t.data(), t.size() / u, u);
 }
 
+// --- SlotMarks: kvn::SlotMarks as kvevents.consumers.index.marks.TierMarks -----------
+
+// A bitset as a non-negative Python int.
+PyObject* int_of_words(const kvn::SlotMarks::Words& w) {
+  if (w.empty()) return PyLong_FromLong(0);
+  return _PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(w.data()), w.size() * 8,
+                               1, 0);
+}
+
+// A non-negative Python int as a bitset.
+kvn::SlotMarks::Words words_of_int(nb::handle o) {
+  try {
+    const size_t n = kvn::words_of(o.ptr());
+    kvn::Bits out;
+    std::vector<unsigned char> scratch;
+    kvn::read_bits(o.ptr(), n, out, scratch);
+    return out;
+  } catch (const kvn::WalkError&) {
+    throw nb::python_error();
+  }
+}
+
+// ``key`` as a content key, or false when no content key equals it (not an int, or out
+// of the unsigned 64-bit range): a dict of such keys would not hold it either.
+bool as_key(nb::handle key, uint64_t& out) {
+  if (!PyLong_Check(key.ptr())) return false;
+  out = PyLong_AsUnsignedLongLong(key.ptr());
+  if (out == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+nb::object marks_get(const kvn::SlotMarks& m, nb::handle key, nb::handle dflt) {
+  uint64_t k;
+  if (as_key(key, k)) {
+    kvn::SlotMarks::Words w = m.holders(k);
+    if (!w.empty()) {
+      PyObject* r = int_of_words(w);
+      if (!r) throw nb::python_error();
+      return nb::steal(r);
+    }
+  }
+  return nb::borrow(dflt);
+}
+
+nb::object marks_keys(const kvn::SlotMarks& m) {
+  std::vector<uint64_t> keys = m.keys_in_order();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(keys.size()));
+  if (!out) throw nb::python_error();
+  nb::object own = nb::steal(out);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    PyObject* k = PyLong_FromUnsignedLongLong(keys[i]);
+    if (!k) throw nb::python_error();
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), k);
+  }
+  return own;
+}
+
+nb::object marks_items(const kvn::SlotMarks& m) {
+  std::vector<uint64_t> keys = m.keys_in_order();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(keys.size()));
+  if (!out) throw nb::python_error();
+  nb::object own = nb::steal(out);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    nb::object k = nb::steal(PyLong_FromUnsignedLongLong(keys[i]));
+    nb::object v = nb::steal(int_of_words(m.holders(keys[i])));
+    if (!k.is_valid() || !v.is_valid()) throw nb::python_error();
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), nb::make_tuple(k, v).release().ptr());
+  }
+  return own;
+}
+
+nb::object marks_dup_items(const kvn::SlotMarks& m) {
+  nb::list out;
+  for (const auto& d : m.dups_in_order()) {
+    kvn::SlotMarks::Words bit(d.slot / 64 + 1, 0);
+    bit[d.slot / 64] = uint64_t{1} << (d.slot % 64);
+    nb::object b = nb::steal(int_of_words(bit));
+    if (!b.is_valid()) throw nb::python_error();
+    out.append(nb::make_tuple(nb::make_tuple(d.key, b), d.count));
+  }
+  return std::move(out);
+}
+
+// ``get`` as the SlotMarks it is the bound ``get`` method of, or null.
+const kvn::SlotMarks* marks_of_get(nb::handle get) {
+  PyObject* self = PyObject_GetAttrString(get.ptr(), "__self__");
+  if (!self) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object own = nb::steal(self);
+  kvn::SlotMarks* m = nullptr;
+  if (nb::try_cast<kvn::SlotMarks*>(own, m)) return m;
+  return nullptr;
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -373,6 +473,47 @@ NB_MODULE(_core, m) {
            nb::arg("size"), nb::arg("parent"), nb::arg("unit"), nb::arg("limit"),
            "Chain keys of consecutive blocks of BlockStored ``i`` from token ``start``.");
 
+  nb::class_<kvn::SlotMarks>(
+      m, "SlotMarks",
+      "A tier's marks (kvevents.consumers.index.marks.TierMarks) in flat tables: content "
+      "key -> the slots holding it, counted per (key, slot).  Read like the TierMarks dict "
+      "(get, [], in, len, iteration and items in marking order); the walk reads it "
+      "without a Python object per key.")
+      .def(nb::init<>())
+      .def("mark", &kvn::SlotMarks::mark, nb::arg("ck"), nb::arg("slot"),
+           "One more reference of ``ck`` by ``slot``.")
+      .def("unmark", &kvn::SlotMarks::unmark, nb::arg("ck"), nb::arg("slot"),
+           "One reference of ``ck`` by ``slot`` fewer (the slot's bit goes with the last).")
+      .def("get", &marks_get, nb::arg("key").none(), nb::arg("default").none() = nb::none(),
+           "The bitset of slots holding ``key`` (a bit per slot), or ``default``.")
+      .def("__getitem__",
+           [](const kvn::SlotMarks& m, nb::handle key) {
+             nb::object v = marks_get(m, key, nb::none());
+             if (v.is_none()) throw nb::key_error();
+             return v;
+           },
+           nb::arg("key").none())
+      .def("__contains__",
+           [](const kvn::SlotMarks& m, nb::handle key) {
+             uint64_t k;
+             return as_key(key, k) && m.contains(k);
+           },
+           nb::arg("key").none())
+      .def("__len__", &kvn::SlotMarks::size)
+      .def("__iter__", [](const kvn::SlotMarks& m) { return nb::iter(marks_keys(m)); })
+      .def("keys", &marks_keys, "The content keys, in marking order.")
+      .def("items", &marks_items, "(key, bitset) pairs, in marking order.")
+      .def("dup_items", &marks_dup_items,
+           "((key, 1 << slot), extra references) pairs, in the order first counted "
+           "(TierMarks.dups).")
+      .def(
+          "load",
+          [](kvn::SlotMarks& m, uint64_t ck, nb::handle bits) { m.load(ck, words_of_int(bits)); },
+          nb::arg("ck"), nb::arg("bits"), "Set the holders of ``ck`` to the slots of ``bits``.")
+      .def("load_dup", &kvn::SlotMarks::load_dup, nb::arg("ck"), nb::arg("slot"),
+           nb::arg("count"), "``count`` extra references of ``ck`` by ``slot``.")
+      .def_prop_ro("nbytes", &kvn::SlotMarks::nbytes, "Bytes the tables hold.");
+
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "
         "input included): hand it to the Python decoder then.");
@@ -385,7 +526,7 @@ NB_MODULE(_core, m) {
          nb::handle nxt) {
         (void)pos_bits;  // the contract: pos_bits[s + 1] == 1 << s
         PyObject* r = kvn::walk(ks.ptr(), get.ptr(), step, unit, first.ptr(), starts.ptr(),
-                                aligned.ptr(), end.ptr(), nxt.ptr());
+                                aligned.ptr(), end.ptr(), nxt.ptr(), marks_of_get(get));
         if (!r) throw nb::python_error();
         return nb::steal(r);
       },

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "marks.hpp"
+
 namespace kvn {
 
 // An owned reference, released on scope exit.
@@ -80,7 +82,7 @@ inline int64_t as_i64(PyObject* o) {
 
 class Walker {
  public:
-  Walker(PyObject* get, PyObject* end) : end_(end) {
+  Walker(PyObject* get, PyObject* end, const SlotMarks* marks) : marks_(marks), end_(end) {
     // a bound dict.get is read with the dict API; anything else is called
     if (PyCFunction_Check(get)) {
       PyObject* self = PyCFunction_GET_SELF(get);
@@ -110,6 +112,11 @@ class Walker {
 
   PyObject* zero() const { return zero_.get(); }
 
+  // the bitset of key ``k`` as ``words`` words: from the SlotMarks tables directly, or
+  // get(k, 0) read into words
+  void read_key(PyObject* k, size_t words, std::vector<uint64_t>& out,
+                std::vector<unsigned char>& scratch);
+
   // end[p] = tokens for every set bit p - 1 of ``b`` (pos_bits[p] == 1 << (p - 1)),
   // highest first as the Python loop goes (the order only matters on error)
   void set_ends(const std::vector<uint64_t>& b, PyObject* tok) {
@@ -137,6 +144,7 @@ class Walker {
  private:
   PyObject* get_ = nullptr;
   PyObject* dict_ = nullptr;
+  const SlotMarks* marks_ = nullptr;
   PyObject* end_;
   Ref zero_;
 };
@@ -195,6 +203,30 @@ inline void read_bits(PyObject* o, size_t words, Bits& out, std::vector<unsigned
   // (little-endian words: the target is little-endian, see keys.hpp)
 }
 
+inline void Walker::read_key(PyObject* k, size_t words, Bits& out,
+                             std::vector<unsigned char>& scratch) {
+  if (marks_) {
+    out.resize(words);
+    uint64_t key = 0;
+    bool ok = PyLong_Check(k);
+    if (ok) {
+      key = PyLong_AsUnsignedLongLong(k);
+      if (key == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();  // no content key equals it: held by nobody
+        ok = false;
+      }
+    }
+    if (ok) {
+      marks_->read(key, words, out.data());
+    } else {
+      std::fill(out.begin(), out.end(), 0);
+    }
+    return;
+  }
+  Ref vo = lookup(k);
+  read_bits(vo.get(), words, out, scratch);
+}
+
 inline size_t words_of(PyObject* o) {
   if (!PyLong_Check(o)) {
     PyErr_Format(PyExc_TypeError, "walk: bitsets are ints, got %.80s", Py_TYPE(o)->tp_name);
@@ -230,9 +262,10 @@ inline bool any(const Bits& b) {
 // (the usual fleet) its chunk boundary is tracked as the walk goes (``pend``); the result
 // is the Python's per-class rule.
 inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, PyObject* first,
-                      PyObject* starts, PyObject* aligned, PyObject* end, PyObject* nxt) {
+                      PyObject* starts, PyObject* aligned, PyObject* end, PyObject* nxt,
+                      const SlotMarks* marks = nullptr) {
   try {
-    Walker w(get, end);
+    Walker w(get, end, marks);
     std::vector<unsigned char> scratch;
     const int has_starts_i = PyObject_IsTrue(starts);
     if (has_starts_i < 0) throw WalkError{};
@@ -334,8 +367,7 @@ inline PyObject* walk(PyObject* ks, PyObject* get, int64_t step, int64_t unit, P
       const bool join_here = e == nj;
       if (alive_any || join_here) {
         PyObject* k = ki < nk ? keys[ki] : Py_None;  // the sentinel: held by nobody
-        Ref vo = w.lookup(k);
-        read_bits(vo.get(), words, v, scratch);
+        w.read_key(k, words, v, scratch);
         bool changed = false;
         for (size_t i = 0; i < words; ++i) {
           now[i] = alive[i] & v[i];

@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the walk and the assembly.  Checks nothing itself; the sanitizers do."""
+the tier marks, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
 
 from __future__ import annotations
 
@@ -47,8 +47,16 @@ for _ in range(rounds):
     end = [0] * (nslots + 1)
     starts = {step * rng.randrange(1, 10): rng.getrandbits(nslots) for _ in range(rng.randrange(3))}
     nxt = [(rng.choice([1, 2, 4]), rng.getrandbits(nslots)) for _ in range(rng.randrange(3))]
-    kn.walk(keys, marks.get, step, 16, rng.getrandbits(nslots), starts, rng.getrandbits(nslots),
-            end, [0] + [1 << s for s in range(nslots)], nxt)
+    slot_marks = kn.SlotMarks()
+    for k, bits in marks.items():
+        slot_marks.load(k, bits)
+    for _ in range(rng.randrange(60)):  # marks and unmarks over few keys and slots
+        k, slot = rng.choice(keys or [0]), rng.randrange(nslots)
+        (slot_marks.mark if rng.random() < 0.6 else slot_marks.unmark)(k, slot)
+    slot_marks.items(), slot_marks.dup_items(), slot_marks.get(rng.getrandbits(64), 0)
+    for get in (marks.get, slot_marks.get):
+        kn.walk(keys, get, step, 16, rng.getrandbits(nslots), starts, rng.getrandbits(nslots),
+                end, [0] + [1 << s for s in range(nslots)], nxt)
     lay = SimpleNamespace(nslots=nslots, pos_wids=[None] + [("w", s) for s in range(nslots)])
     cpu = [e + rng.randrange(3) for e in end]
     kn.assembler(Match)(lay, end, cpu, None, rng.choice([-1, rng.getrandbits(nslots)]))

@@ -60,6 +60,7 @@ from kvevents.consumers.index.bulk import PayloadStats, apply_payload, payload_s
 from kvevents.consumers.index.eviction import QueueItem
 from kvevents.consumers.index.join import EntryKey
 from kvevents.consumers.index.layout import IndexLayout, build_layout
+from kvevents.consumers.index.marks import Marks, TierMarks, adopt, as_tier_marks
 from kvevents.consumers.index.queries import block_info, held_content_keys, summary
 from kvevents.consumers.index.records import Hash
 from kvevents.consumers.index.snapshot import restore_index, snapshot_index
@@ -67,8 +68,12 @@ from kvevents.consumers.index.stats import BlockInfo, IndexStats, WorkerSummary
 from kvevents.consumers.index.workers import WorkerId, WorkerState, bpc_lookup
 from kvevents.errors import ConfigError
 from kvevents.events import KVEvent, KVEventBatch
+from kvevents.native import NATIVE
 
 __all__ = ["BlockIndex"]
+
+_SNAPSHOT_FORMS = {} if NATIVE is None else {NATIVE.SlotMarks: as_tier_marks}
+"""The compiled core's tables, written as the Python tables they equal."""
 
 
 class BlockIndex:
@@ -213,7 +218,7 @@ class BlockIndex:
     def snapshot(self) -> bytes:
         """This index's whole state as bytes (versioned msgpack): :meth:`restore` gives
         an index that answers and applies exactly as this one would from here on."""
-        return snapshot_index(self)
+        return snapshot_index(self, _SNAPSHOT_FORMS)
 
     @classmethod
     def restore(cls, data: bytes) -> BlockIndex:
@@ -223,8 +228,20 @@ class BlockIndex:
         if not isinstance(index, cls):
             raise ConfigError(f"the snapshot holds a {type(index).__name__}, not a BlockIndex")
         index._layout = None  # derived from the rest; rebuilt by the next query
+        index._adopt_marks()
         index._table.layout_changed = True
         return index
+
+    def _adopt_marks(self) -> None:
+        # a snapshot holds TierMarks: the core that runs now keeps its own kind
+        feed = self._feed
+        marks = feed.marks
+        if all(type(m) is TierMarks for m in marks):
+            feed.marks = feed.cap.marks = self._tier_marks = (
+                adopt(marks[0]),  # type: ignore[arg-type]
+                adopt(marks[1]),  # type: ignore[arg-type]
+                adopt(marks[2]),  # type: ignore[arg-type]
+            )
 
     # ------------------------------------------------------------------ queries
 
@@ -301,7 +318,7 @@ class BlockIndex:
             lay = self._layout = build_layout(table.workers, self.canonical_block_size)
         return lay
 
-    def marks(self, tier: int) -> dict[int, int]:
+    def marks(self, tier: int) -> Marks:
         """Content key -> bitset of slots holding a block (GPU) or chunk ending there
         (slot bits as in :meth:`layout`).  The live table: read it, never write it."""
         return self._tier_marks[tier]
@@ -336,5 +353,5 @@ class BlockIndex:
         return self._feed.cap.qhashes
 
     @property
-    def _marks(self) -> tuple[dict[int, int], ...]:
+    def _marks(self) -> tuple[Marks, ...]:
         return self._feed.marks

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, Union
 
-from kvevents.consumers.index.marks import TierMarks, unmark
+from kvevents.consumers.index.marks import Marks
 from kvevents.consumers.index.records import (
     Hash,
     Record,
@@ -105,7 +105,7 @@ class Eviction:
         self,
         max_blocks: int,
         table: WorkerTable,
-        marks: tuple[TierMarks, TierMarks, TierMarks],
+        marks: tuple[Marks, Marks, Marks],
         stats: IndexStats,
     ) -> None:
         self.max_blocks = max_blocks
@@ -381,15 +381,15 @@ class Eviction:
         else:
             ck, on_gpu, p = None, False, None
         self.forgotten.add(h)  # (later places of h in the queue may remain)
-        bit = gs.bit
+        slot = gs.slot
         r = gs.refs
         if ck is not None:
             if on_gpu:
-                unmark(self.marks[0], ck, bit)
+                self.marks[0].unmark(ck, slot)
             if r[1] and r[1].pop(h, None) is not None:
-                unmark(self.marks[1], ck, bit)
+                self.marks[1].unmark(ck, slot)
             if r[2] and r[2].pop(h, None) is not None:
-                unmark(self.marks[2], ck, bit)
+                self.marks[2].unmark(ck, slot)
         else:
             r[1].pop(h, None)
             r[2].pop(h, None)

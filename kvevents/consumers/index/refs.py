@@ -9,7 +9,7 @@ for every block it caches and ``BlockPool._maybe_evict_cached_block`` a
 (and one content key), so a store seen twice needs two removals.
 
 * :meth:`RefRules.ref`: the first reference on a tier marks the content key in that
-  tier's :class:`~.marks.TierMarks`; the first on any tier makes the entry resident
+  tier's marks (:mod:`.marks`); the first on any tier makes the entry resident
   (counted, no longer retained metadata, told to the memory cap).
 * :meth:`RefRules.remove`: the last reference on a tier unmarks the key; the last on any
   tier ends the residency (the record is kept as retained metadata, :mod:`.join`, for
@@ -29,7 +29,7 @@ from typing import Any
 
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.join import PendingTable, Retention
-from kvevents.consumers.index.marks import TierMarks, mark, unmark
+from kvevents.consumers.index.marks import Marks, new_marks
 from kvevents.consumers.index.records import (
     Hash,
     Record,
@@ -64,7 +64,7 @@ class RefRules:
 
     * ``stats``: the :class:`~.stats.IndexStats` counters;
     * ``table``: the :class:`~.workers.WorkerTable` (property ``workers``: ``table.workers``);
-    * ``marks``: the three tiers' :class:`~.marks.TierMarks`;
+    * ``marks``: the three tiers' marks (:mod:`.marks`);
     * ``cap``: the :class:`~.eviction.Eviction` (resident count, memory cap);
     * ``pending``: the :class:`~.join.PendingTable`; ``retention``: the
       :class:`~.join.Retention` of records no tier holds;
@@ -91,11 +91,7 @@ class RefRules:
         self.eagle_config = eagle_config
         self.stats = IndexStats()
         self.table = WorkerTable()
-        self.marks: tuple[TierMarks, TierMarks, TierMarks] = (
-            TierMarks(),
-            TierMarks(),
-            TierMarks(),
-        )
+        self.marks: tuple[Marks, Marks, Marks] = (new_marks(), new_marks(), new_marks())
         self.cap = Eviction(max_blocks, self.table, self.marks, self.stats)
         self.pending = PendingTable(max_pending, self.stats)
         self.retention = Retention(gpu_metadata_retention, self.table, self.stats, self.cap)
@@ -163,7 +159,7 @@ class RefRules:
                 if gpu_refs(m):
                     return False  # not the first GPU reference
             if ck is not None:
-                mark(self.marks[GPU], ck, gs.bit)
+                self.marks[GPU].mark(ck, gs.slot)
             if h in refs[CPU] or h in refs[STORAGE]:
                 return False  # resident already
         else:
@@ -173,7 +169,7 @@ class RefRules:
             if count:
                 return False  # not the first reference on this tier
             if ck is not None:
-                mark(self.marks[tier], ck, gs.bit)
+                self.marks[tier].mark(ck, gs.slot)
             m = gs.meta.get(h)
             if (m is not None and gpu_refs(m)) or h in refs[3 - tier]:
                 return False  # resident already
@@ -211,7 +207,7 @@ class RefRules:
             for h in hashes:
                 self.remove_unknown(w, None, group, h, tier)
             return
-        meta, refs, marks, bit = gs.meta, gs.refs, self.marks[tier], gs.bit
+        meta, refs, marks, slot = gs.meta, gs.refs, self.marks[tier], gs.slot
         counts, on_gpu = refs[tier], tier == GPU  # (CPU/STORAGE: the refcounts)
         # the other tiers' refcounts (CPU/STORAGE: the other one, twice)
         o1, o2 = (refs[CPU], refs[STORAGE]) if on_gpu else (refs[3 - tier], refs[3 - tier])
@@ -239,7 +235,7 @@ class RefRules:
                 continue  # not the last reference on this tier
             ck = content_key(m) if m is not None else None
             if ck is not None:
-                unmark(marks, ck, bit)
+                marks.unmark(ck, slot)
             if h in o1 or h in o2 or (not on_gpu and m is not None and gpu_refs(m)):
                 continue  # still resident (held by another tier)
             cap.resident -= 1
@@ -278,7 +274,7 @@ class RefRules:
         wid = w.wid
         gpu_marks = self.marks[0]
         for gs in w.groups.values():
-            bit = gs.bit
+            slot = gs.slot
             meta = gs.meta
             held: set[Hash] = set()
             for h, m in meta.items():
@@ -286,7 +282,7 @@ class RefRules:
                     held.add(h)
                     ck = content_key(m)
                     if ck is not None:
-                        unmark(gpu_marks, ck, bit)
+                        gpu_marks.unmark(ck, slot)
             for h in held:
                 meta[h] = add_gpu(meta[h], -gpu_refs(meta[h]))
             for tier in (1, 2):
@@ -296,7 +292,7 @@ class RefRules:
                     tm = gs.meta.get(h)
                     ck = content_key(tm) if tm is not None else None
                     if ck is not None:
-                        unmark(marks, ck, bit)
+                        marks.unmark(ck, slot)
                 held.update(refs)
                 refs.clear()
             self.cap.clear_group(gs, held)
@@ -320,6 +316,6 @@ class RefRules:
             if (gpu_refs(old) > 0) if tier == 0 else (h in gs.refs[tier]):
                 marks = self.marks[tier]
                 if old_ck is not None:
-                    unmark(marks, old_ck, gs.bit)
+                    marks.unmark(old_ck, gs.slot)
                 if new_ck is not None:
-                    mark(marks, new_ck, gs.bit)
+                    marks.mark(new_ck, gs.slot)

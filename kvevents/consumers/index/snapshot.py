@@ -25,6 +25,7 @@ import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -145,8 +146,10 @@ def _unpack_int_dict(v: list[Any]) -> dict[int, int]:
 
 
 class _Writer:
-    def __init__(self, package: str) -> None:
+    def __init__(self, package: str, forms: Mapping[type, Callable[[Any], Any]]) -> None:
         self.module = package + "."
+        self.forms = forms
+        self.converted: dict[int, Any] = {}  # id of an object -> its written form
         self.ids: dict[int, int] = {}
         self.keep: list[Any] = []  # keeps ids stable while walking
         self.schema: dict[str, list[str]] = {}
@@ -187,6 +190,13 @@ class _Writer:
             return ["a", v.typecode, _le_bytes(v)]
         if t is set or t is frozenset:  # (sorted: equal sets give equal bytes)
             return ["s" if t is set else "f", [self.enc(x) for x in _sorted(v)]]
+        form = self.forms.get(t)
+        if form is not None:  # written as another object (one per object: refs stay)
+            done = self.converted.get(id(v))
+            if done is None:
+                done = self.converted[id(v)] = form(v)
+                self.keep.append(v)
+            return self.enc(done)
         if not t.__module__.startswith(self.module) and not dataclasses.is_dataclass(v):
             raise ConfigError(f"cannot snapshot a {t.__module__}.{t.__qualname__}")
         ref = self.ids.get(id(v))
@@ -306,10 +316,14 @@ def _current_schema(schema: dict[str, list[str]]) -> list[str]:
     return bad
 
 
-def snapshot_index(index: Any) -> bytes:
-    """The state of ``index`` (a :class:`~kvevents.consumers.BlockIndex`) as bytes."""
+def snapshot_index(index: Any, forms: Mapping[type, Callable[[Any], Any]] | None = None) -> bytes:
+    """The state of ``index`` (a :class:`~kvevents.consumers.BlockIndex`) as bytes.
 
-    w = _Writer(type(index).__module__.rpartition(".")[0])
+    ``forms`` maps a type outside the index package to the function that gives the
+    object of the package written in its place (the compiled core's tables, written as
+    the Python tables they equal: both cores' snapshots are the same bytes)."""
+
+    w = _Writer(type(index).__module__.rpartition(".")[0], forms or {})
     state = w.enc(index)
     header = {"format": SNAPSHOT_FORMAT, "kvevents": __version__, "schema": w.schema}
     return _ENC.encode([header, state])

@@ -6,11 +6,14 @@ kvevents imports it when it is installed (``pip install ./native``) and
 Python object per event, and the content-key kernels :func:`prompt_keys` and
 :func:`chain_units` (the xxh3-64 chain of :mod:`kvevents.consumers.content`), and
 :func:`walk` and :func:`assembler`, the router's prefix walk and the assembly of its
-answer (:mod:`kvevents.consumers.router.walk`).
+answer (:mod:`kvevents.consumers.router.walk`), and :class:`SlotMarks`, a tier's marks
+(content key -> slots holding it) in flat tables the walk reads directly
+(:mod:`kvevents.consumers.index.marks`).
 """
 
 from kvevents_native._core import (
     ParsedBatch,
+    SlotMarks,
     __version__,
     assembler,
     chain_units,
@@ -21,6 +24,7 @@ from kvevents_native._core import (
 
 __all__ = [
     "ParsedBatch",
+    "SlotMarks",
     "__version__",
     "assembler",
     "chain_units",
