@@ -34,8 +34,9 @@ inline Py_ssize_t length(PyObject* seq) {
   return n;
 }
 
-// Match(g, c, s): a tuple of the NamedTuple type ``match``; ``g`` is the gpu end object
-// itself (as the Python assembly reuses it), the differences are new ints
+// Match(g, c, s): a tuple of the NamedTuple type ``match``, untracked by the garbage
+// collector; ``g`` is the gpu end object itself (as the Python assembly reuses it), the
+// differences are new ints
 inline Ref make_match(PyTypeObject* match, PyObject* g, int64_t c, int64_t s) {
   Ref t = chk(match->tp_alloc(match, 3));
   PyObject* b = PyLong_FromLongLong(c);
@@ -49,6 +50,10 @@ inline Ref make_match(PyTypeObject* match, PyObject* g, int64_t c, int64_t s) {
   PyTuple_SET_ITEM(t.get(), 0, g);
   PyTuple_SET_ITEM(t.get(), 1, b);
   PyTuple_SET_ITEM(t.get(), 2, d);
+  // three ints: nothing for the cycle collector to find (CPython untracks such tuples
+  // itself at its next pass); untracked now, a router's burst of answers is never
+  // promoted to the older generations, whose full passes walk the whole index
+  PyObject_GC_UnTrack(t.get());
   return t;
 }
 

@@ -455,6 +455,9 @@ const kvn::SlotMarks* marks_of_get(nb::handle get) {
 NB_MODULE(_core, m) {
   m.doc() = "kvevents' compiled core: the wire parser and the content-key kernels.";
   m.attr("__version__") = KVEVENTS_NATIVE_VERSION;
+  // an index's SlotMarks may still be alive when the interpreter tears the module down
+  // (an index held by a module global): that is not a leak worth a warning at exit
+  nb::set_leak_warnings(false);
 
   nb::class_<ParsedBatch>(m, "ParsedBatch",
                           "One payload read natively: events in flat arrays, no Python "
