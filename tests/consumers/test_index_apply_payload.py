@@ -2,7 +2,9 @@
 
 Two indexes are fed the same payload stream: one through ``apply_payload`` (with the
 compiled core when it runs: the native parser, native content keys, GPU removals applied
-as runs), the other through :class:`~kvevents.codec.BatchDecoder` and ``apply``.  After
+as runs, the marks in the core's ``SlotMarks``), the other, the Python core's index (its
+marks the Python ``TierMarks``), through :class:`~kvevents.codec.BatchDecoder` and
+``apply``.  After
 every stream they must be indistinguishable: snapshot bytes, ``find_matches`` for the
 stream's prompts, ``summary``, ``len``, gauges and every counter; a payload one side
 refuses (:class:`~kvevents.errors.DecodeError`) the other refuses too, with nothing
@@ -27,9 +29,11 @@ from _sglang_wire import SglBatch, SglMetadata, SglRemoved, SglStored, SglStored
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvevents.consumers.index.marks as marks_module
 from kvevents.codec import BatchDecoder
 from kvevents.consumers import BlockIndex
 from kvevents.consumers.index.bulk import reads_natively
+from kvevents.consumers.index.marks import TierMarks
 from kvevents.consumers.router import Router
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -60,7 +64,7 @@ def feed_both(
 ) -> tuple[BlockIndex, BlockIndex]:
     """The stream through ``apply_payload`` and through decode + ``apply``; checks that
     each payload is refused by both or by neither, and returns both indexes."""
-    ours, spec = BlockIndex(**config), BlockIndex(**config)
+    ours, spec = BlockIndex(**config), python_core_index(**config)
     decoder = BatchDecoder()
     for (source, rank), payload in stream:
         before = ours.snapshot() if len(stream) < 40 else None
@@ -75,6 +79,27 @@ def feed_both(
         spec.apply(source, rank, batch)
         ours.apply_payload(source, rank, payload)
     return ours, spec
+
+
+def python_core_index(**config: Any) -> BlockIndex:
+    """An index keeping its marks as the Python core does (``TierMarks``), whichever
+    core runs."""
+    saved = marks_module.NATIVE
+    marks_module.NATIVE = None
+    try:
+        return BlockIndex(**config)
+    finally:
+        marks_module.NATIVE = saved
+
+
+def python_core_restore(data: bytes) -> BlockIndex:
+    """``BlockIndex.restore`` as the Python core restores."""
+    saved = marks_module.NATIVE
+    marks_module.NATIVE = None
+    try:
+        return BlockIndex.restore(data)
+    finally:
+        marks_module.NATIVE = saved
 
 
 def assert_same(ours: BlockIndex, spec: BlockIndex, prompts: list[list[int]]) -> None:
@@ -321,7 +346,7 @@ def _refused(payload: bytes) -> bool:
 def test_resets_removed_workers_and_restored_snapshots() -> None:
     rng = random.Random(11)
     stream = random_stream(rng, 300)
-    ours, spec = BlockIndex(max_blocks=40), BlockIndex(max_blocks=40)
+    ours, spec = BlockIndex(max_blocks=40), python_core_index(max_blocks=40)
     decoder = BatchDecoder()
     for i, ((source, rank), payload) in enumerate(stream):
         if i % 50 == 49:
@@ -332,6 +357,9 @@ def test_resets_removed_workers_and_restored_snapshots() -> None:
             spec.remove_worker((source, rank))
         if i == 150:  # a restored index goes on applying payloads alike
             ours = BlockIndex.restore(ours.snapshot())
+        if i == 220:  # each core restores the other's snapshot (the same bytes)
+            ours, spec = BlockIndex.restore(spec.snapshot()), python_core_restore(ours.snapshot())
+            assert type(spec.marks(0)) is TierMarks
         try:
             batch = decoder.decode(payload)
         except DecodeError:
