@@ -16,6 +16,7 @@
 #include "assemble.hpp"
 #include "keys.hpp"
 #include "marks.hpp"
+#include "records.hpp"
 #include "walk.hpp"
 #include "wire.hpp"
 
@@ -450,6 +451,197 @@ const kvn::SlotMarks* marks_of_get(nb::handle get) {
   return nullptr;
 }
 
+// --- RecordTable: kvn::RecordTable as a dict of engine hash -> record ---------------
+
+// An engine hash the table keeps natively: an int in [0, 2**64).
+bool hash_fits(PyObject* k, uint64_t& out) {
+  if (!PyLong_CheckExact(k)) return false;
+  out = PyLong_AsUnsignedLongLong(k);
+  if (out == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// A record the table keeps natively: an int in (0, 2**192), as little-endian words.
+bool record_fits(PyObject* v, uint64_t* w) {
+  if (!PyLong_CheckExact(v) || _PyLong_Sign(v) <= 0) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  Py_ssize_t n = PyLong_AsNativeBytes(v, w, 24,
+                                      Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+  if (n < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return n <= 24;
+#else
+  if (_PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(v), reinterpret_cast<unsigned char*>(w),
+                          24, 1, 0) < 0) {
+    PyErr_Clear();  // wider than 192 bits
+    return false;
+  }
+  return true;
+#endif
+}
+
+PyObject* record_int(const uint64_t* w) {
+  return _PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(w), 24, 1, 0);
+}
+
+// One KV-cache group's records: natively while every hash and record fits, else (from
+// the first that does not, for good) a Python dict of the same items in the same order.
+class RecordTableObj {
+ public:
+  nb::object get(nb::handle key, nb::handle dflt) const {
+    if (spill_.is_valid()) {
+      PyObject* v = PyDict_GetItemWithError(spill_.ptr(), key.ptr());
+      if (v) return nb::borrow(v);
+      if (PyErr_Occurred()) throw nb::python_error();
+      return nb::borrow(dflt);
+    }
+    uint64_t k;
+    if (hash_fits(key.ptr(), k)) {
+      if (const uint64_t* w = t_.find(k)) return nb::steal(checked(record_int(w)));
+    }
+    return nb::borrow(dflt);
+  }
+
+  nb::object getitem(nb::handle key) const {
+    nb::object v = get(key, nb::handle());
+    if (!v.is_valid()) {
+      PyErr_SetObject(PyExc_KeyError, key.ptr());
+      throw nb::python_error();
+    }
+    return v;
+  }
+
+  void setitem(nb::handle key, nb::handle value) {
+    if (!spill_.is_valid()) {
+      uint64_t k;
+      uint64_t w[3] = {0, 0, 0};
+      if (hash_fits(key.ptr(), k) && record_fits(value.ptr(), w)) return t_.set(k, w);
+      spill();
+    }
+    if (PyDict_SetItem(spill_.ptr(), key.ptr(), value.ptr()) < 0) throw nb::python_error();
+  }
+
+  void delitem(nb::handle key) {
+    if (spill_.is_valid()) {
+      if (PyDict_DelItem(spill_.ptr(), key.ptr()) < 0) throw nb::python_error();
+      return;
+    }
+    uint64_t k;
+    if (!hash_fits(key.ptr(), k) || !t_.erase(k)) {
+      PyErr_SetObject(PyExc_KeyError, key.ptr());
+      throw nb::python_error();
+    }
+  }
+
+  bool contains(nb::handle key) const {
+    if (spill_.is_valid()) {
+      int r = PyDict_Contains(spill_.ptr(), key.ptr());
+      if (r < 0) throw nb::python_error();
+      return r != 0;
+    }
+    uint64_t k;
+    return hash_fits(key.ptr(), k) && t_.find(k) != nullptr;
+  }
+
+  size_t len() const { return spill_.is_valid() ? PyDict_GET_SIZE(spill_.ptr()) : t_.size(); }
+
+  // keys (0), values (1) or items (2), in insertion order, as a new list
+  nb::object listed(int what) const {
+    if (spill_.is_valid()) {
+      PyObject* r = what == 0   ? PyDict_Keys(spill_.ptr())
+                    : what == 1 ? PyDict_Values(spill_.ptr())
+                                : PyDict_Items(spill_.ptr());
+      return nb::steal(checked(r));
+    }
+    nb::object out = nb::steal(checked(PyList_New(static_cast<Py_ssize_t>(t_.size()))));
+    Py_ssize_t i = 0;
+    t_.each([&](const kvn::RecordTable::Entry& e) {
+      PyObject* item;
+      if (what == 0) {
+        item = checked(PyLong_FromUnsignedLongLong(e.key));
+      } else if (what == 1) {
+        item = checked(record_int(e.w));
+      } else {
+        nb::object k = nb::steal(checked(PyLong_FromUnsignedLongLong(e.key)));
+        nb::object v = nb::steal(checked(record_int(e.w)));
+        item = checked(PyTuple_Pack(2, k.ptr(), v.ptr()));
+      }
+      PyList_SET_ITEM(out.ptr(), i++, item);
+    });
+    return out;
+  }
+
+  void clear() {
+    if (spill_.is_valid()) {
+      PyDict_Clear(spill_.ptr());
+    } else {
+      t_.clear();
+    }
+  }
+
+  // Whether no item of ``hashes`` is a key here.
+  bool isdisjoint(nb::handle hashes) const {
+    nb::object it = nb::steal(checked(PyObject_GetIter(hashes.ptr())));
+    while (PyObject* h = PyIter_Next(it.ptr())) {
+      nb::object own = nb::steal(h);
+      if (contains(own)) return false;
+    }
+    if (PyErr_Occurred()) throw nb::python_error();
+    return true;
+  }
+
+  bool spilled() const { return spill_.is_valid(); }
+  size_t nbytes() const { return t_.nbytes(); }
+
+  int traverse(visitproc visit, void* arg) {
+    Py_VISIT(spill_.ptr());
+    return 0;
+  }
+  void drop_spill() { spill_.reset(); }
+
+ private:
+  static PyObject* checked(PyObject* o) {
+    if (!o) throw nb::python_error();
+    return o;
+  }
+
+  // From now on a Python dict holds the items (in the same order).
+  void spill() {
+    nb::object d = nb::steal(checked(PyDict_New()));
+    t_.each([&](const kvn::RecordTable::Entry& e) {
+      nb::object k = nb::steal(checked(PyLong_FromUnsignedLongLong(e.key)));
+      nb::object v = nb::steal(checked(record_int(e.w)));
+      if (PyDict_SetItem(d.ptr(), k.ptr(), v.ptr()) < 0) throw nb::python_error();
+    });
+    t_.clear();
+    spill_ = std::move(d);
+  }
+
+  kvn::RecordTable t_;
+  nb::object spill_;
+};
+
+int record_table_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  return nb::inst_ptr<RecordTableObj>(self)->traverse(visit, arg);
+}
+
+int record_table_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<RecordTableObj>(self)->drop_spill();
+  return 0;
+}
+
+PyType_Slot record_table_slots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(record_table_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(record_table_clear)},
+    {0, nullptr}};
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -516,6 +708,41 @@ NB_MODULE(_core, m) {
       .def("load_dup", &kvn::SlotMarks::load_dup, nb::arg("ck"), nb::arg("slot"),
            nb::arg("count"), "``count`` extra references of ``ck`` by ``slot``.")
       .def_prop_ro("nbytes", &kvn::SlotMarks::nbytes, "Bytes the tables hold.");
+
+  nb::class_<RecordTableObj>(
+      m, "RecordTable", nb::type_slots(record_table_slots),
+      "One KV-cache group's metadata records (engine hash -> record, the packed ints of "
+      "kvevents.consumers.index.records) in a flat insertion-ordered table; read and "
+      "written like the dict it replaces (get, [], in, del, len, keys/values/items as "
+      "lists in insertion order, clear).  A hash or record that does not fit (not an int "
+      "in [0, 2**64), or not in (0, 2**192)) moves every item to a Python dict, for good.")
+      .def(nb::init<>())
+      .def("get", &RecordTableObj::get, nb::arg("key").none(),
+           nb::arg("default").none() = nb::none())
+      .def("__getitem__", &RecordTableObj::getitem, nb::arg("key").none())
+      .def("__setitem__", &RecordTableObj::setitem, nb::arg("key").none(), nb::arg("value").none())
+      .def("__delitem__", &RecordTableObj::delitem, nb::arg("key").none())
+      .def("__contains__", &RecordTableObj::contains, nb::arg("key").none())
+      .def("__len__", &RecordTableObj::len)
+      .def("__iter__", [](const RecordTableObj& t) { return nb::iter(t.listed(0)); })
+      .def("keys", [](const RecordTableObj& t) { return t.listed(0); })
+      .def("values", [](const RecordTableObj& t) { return t.listed(1); })
+      .def("items", [](const RecordTableObj& t) { return t.listed(2); })
+      .def("clear", &RecordTableObj::clear)
+      .def("isdisjoint", &RecordTableObj::isdisjoint, nb::arg("hashes"),
+           "Whether no item of ``hashes`` is a key here.")
+      .def("__eq__",
+           [](const RecordTableObj& t, nb::handle other) {
+             nb::object mine = nb::steal(PyDict_New());
+             if (PyDict_MergeFromSeq2(mine.ptr(), t.listed(2).ptr(), 1) < 0)
+               throw nb::python_error();
+             int r = PyObject_RichCompareBool(mine.ptr(), other.ptr(), Py_EQ);
+             if (r < 0) throw nb::python_error();
+             return r != 0;
+           })
+      .def_prop_ro("spilled", &RecordTableObj::spilled,
+                   "Whether a Python dict holds the items (something did not fit).")
+      .def_prop_ro("nbytes", &RecordTableObj::nbytes, "Bytes the native table holds.");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the tier marks, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
+the tier marks, the record table, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
 
 from __future__ import annotations
 
@@ -54,9 +54,31 @@ for _ in range(rounds):
         k, slot = rng.choice(keys or [0]), rng.randrange(nslots)
         (slot_marks.mark if rng.random() < 0.6 else slot_marks.unmark)(k, slot)
     slot_marks.items(), slot_marks.dup_items(), slot_marks.get(rng.getrandbits(64), 0)
+    records = kn.RecordTable()
+    for _ in range(rng.randrange(200)):  # sets, deletions, growth, compaction, a spill
+        h = (
+            rng.choice([rng.randrange(50), rng.getrandbits(64), -1, b"h"])
+            if rng.random() < 0.02
+            else rng.randrange(50)
+        )
+        if rng.random() < 0.6:
+            records[h] = rng.choice([rng.getrandbits(192) | 1, rng.getrandbits(200), (1, 2)])
+        elif h in records:
+            del records[h]
+    records.items(), records.isdisjoint(range(10)), len(records), records.nbytes
     for get in (marks.get, slot_marks.get):
-        kn.walk(keys, get, step, 16, rng.getrandbits(nslots), starts, rng.getrandbits(nslots),
-                end, [0] + [1 << s for s in range(nslots)], nxt)
+        kn.walk(
+            keys,
+            get,
+            step,
+            16,
+            rng.getrandbits(nslots),
+            starts,
+            rng.getrandbits(nslots),
+            end,
+            [0] + [1 << s for s in range(nslots)],
+            nxt,
+        )
     lay = SimpleNamespace(nslots=nslots, pos_wids=[None] + [("w", s) for s in range(nslots)])
     cpu = [e + rng.randrange(3) for e in end]
     kn.assembler(Match)(lay, end, cpu, None, rng.choice([-1, rng.getrandbits(nslots)]))

@@ -62,7 +62,7 @@ from kvevents.consumers.index.join import EntryKey
 from kvevents.consumers.index.layout import IndexLayout, build_layout
 from kvevents.consumers.index.marks import Marks, TierMarks, adopt, as_tier_marks
 from kvevents.consumers.index.queries import block_info, held_content_keys, summary
-from kvevents.consumers.index.records import Hash
+from kvevents.consumers.index.records import Hash, adopt_records
 from kvevents.consumers.index.snapshot import restore_index, snapshot_index
 from kvevents.consumers.index.stats import BlockInfo, IndexStats, WorkerSummary
 from kvevents.consumers.index.workers import WorkerId, WorkerState, bpc_lookup
@@ -72,7 +72,11 @@ from kvevents.native import NATIVE
 
 __all__ = ["BlockIndex"]
 
-_SNAPSHOT_FORMS = {} if NATIVE is None else {NATIVE.SlotMarks: as_tier_marks}
+_SNAPSHOT_FORMS: dict[type, Any] = (
+    {}
+    if NATIVE is None
+    else {NATIVE.SlotMarks: as_tier_marks, NATIVE.RecordTable: lambda t: dict(t.items())}
+)
 """The compiled core's tables, written as the Python tables they equal."""
 
 
@@ -228,13 +232,16 @@ class BlockIndex:
         if not isinstance(index, cls):
             raise ConfigError(f"the snapshot holds a {type(index).__name__}, not a BlockIndex")
         index._layout = None  # derived from the rest; rebuilt by the next query
-        index._adopt_marks()
+        index._adopt_tables()
         index._table.layout_changed = True
         return index
 
-    def _adopt_marks(self) -> None:
-        # a snapshot holds TierMarks: the core that runs now keeps its own kind
+    def _adopt_tables(self) -> None:
+        # a snapshot holds TierMarks and dicts: the core that runs now keeps its own kinds
         feed = self._feed
+        for w in feed.workers.values():
+            for gs in w.groups.values():
+                gs.meta = adopt_records(gs.meta)
         marks = feed.marks
         if all(type(m) is TierMarks for m in marks):
             feed.marks = feed.cap.marks = self._tier_marks = (
@@ -289,6 +296,17 @@ class BlockIndex:
     def retained_count(self) -> int:
         """Metadata records kept for GPU-removed blocks no tier holds (for late joins)."""
         return len(self._feed.retention.records)
+
+    @property
+    def native_nbytes(self) -> int:
+        """Bytes the compiled core's tables hold for this index (its marks and records;
+        0 when pure Python runs).  Not Python allocations: ``tracemalloc`` misses them."""
+        feed = self._feed
+        n = sum(getattr(m, "nbytes", 0) for m in feed.marks)
+        for w in feed.workers.values():
+            for gs in w.groups.values():
+                n += getattr(gs.meta, "nbytes", 0)
+        return n
 
     def gauges(self) -> dict[str, int]:
         """Current sizes, for metrics: ``resident_entries`` (``len(index)``),

@@ -45,6 +45,7 @@ from kvevents.consumers.index.records import (
     counted_parent,
     gpu_refs,
     has_free_link,
+    holds_none,
     parent_of,
     without_free_link,
 )
@@ -454,7 +455,7 @@ def _still_queued(gs: GroupState, x: QueueItem, kept: set[Hash]) -> QueueItem | 
     # more (its blocks were removed and their records trimmed): one C-level pass each tells
     r1, r2 = gs.refs[1], gs.refs[2]
     if (
-        gs.meta.keys().isdisjoint(x)
+        holds_none(gs.meta, x)
         and (not r1 or r1.keys().isdisjoint(x))
         and (not r2 or r2.keys().isdisjoint(x))
     ):

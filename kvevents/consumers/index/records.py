@@ -33,7 +33,10 @@ record with a content key, a parent, an end and one GPU reference takes 48 B pac
 as a named record with its own key and parent ints, 151 B (a slotted dataclass of the
 five fields such a record uses), 191 B (slotted, all ten fields) or 207 B (a
 NamedTuple), plus one object the collector tracks.  It is also the snapshot's form,
-byte for byte.
+byte for byte.  And it is what the compiled core keeps without a Python object at all:
+a group's records are a :data:`RecordMap`, with the core a flat table of the packed
+ints' 192 bits (:func:`new_record_map`; 32 B an entry and its index slots, against
+about 140 B for a dict entry with its key and record ints).
 
 A record is, usually, one packed int (about 52 bytes):
 
@@ -55,7 +58,10 @@ key of a block hashed with lookahead tokens).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, MutableMapping
 from typing import Any, Union
+
+from kvevents.native import NATIVE
 
 __all__ = [
     "CK_MASK",
@@ -80,7 +86,9 @@ __all__ = [
     "SIZE_SHIFT",
     "Hash",
     "Record",
+    "RecordMap",
     "add_gpu",
+    "adopt_records",
     "block_size",
     "chain_key",
     "content_key",
@@ -90,7 +98,9 @@ __all__ = [
     "extra_keys",
     "gpu_refs",
     "has_free_link",
+    "holds_none",
     "lora_name",
+    "new_record_map",
     "pack",
     "packs_end",
     "packs_size",
@@ -107,6 +117,41 @@ Hash = Union[int, bytes]
 
 Record = Union[int, tuple[Any, ...]]
 """A metadata record: a packed int or, for the rare wide records, a tuple."""
+
+RecordMap = MutableMapping[Hash, Record]
+"""One KV-cache group's records by engine hash, in insertion order: a dict, or with the
+compiled core its ``kvevents_native.RecordTable`` (the same items in a flat table of
+32-byte entries; keys(), values() and items() are lists there).  Made by
+:func:`new_record_map`."""
+
+if NATIVE is not None:
+    MutableMapping.register(NATIVE.RecordTable)
+
+
+def new_record_map() -> RecordMap:
+    """An empty group's records: the compiled core's table when it runs, else a dict."""
+    if NATIVE is not None:
+        return NATIVE.RecordTable()  # type: ignore[no-any-return]
+    return {}
+
+
+def adopt_records(records: RecordMap) -> RecordMap:
+    """``records`` (a restored snapshot's dict) in the kind :func:`new_record_map`
+    makes, in the same order."""
+    if NATIVE is None or type(records) is not dict:
+        return records
+    out = new_record_map()
+    for h, m in records.items():
+        out[h] = m
+    return out
+
+
+def holds_none(records: RecordMap, hashes: Iterable[Hash]) -> bool:
+    """Whether no hash of ``hashes`` has a record (one C-level pass either way)."""
+    if type(records) is dict:
+        return records.keys().isdisjoint(hashes)
+    return bool(records.isdisjoint(hashes))  # type: ignore[attr-defined]
+
 
 F_CK, F_END, F_PARENT, F_SIZE, F_LORA, F_EXTRA, F_TOKENS, F_GPU, F_CHAIN = range(9)
 """Field indices of a tuple record."""

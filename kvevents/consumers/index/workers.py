@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from kvevents.consumers.index.records import Hash, Record, gpu_refs
+from kvevents.consumers.index.records import Hash, RecordMap, gpu_refs, new_record_map
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
 __all__ = [
@@ -110,7 +110,7 @@ class GroupState:
         self.window: int | None = None  # kv_cache_spec_sliding_window
         # kind None, prefix-indexable, sliding window or chunked local: compute content keys
         self.indexable_kind = True
-        self.meta: dict[Hash, Record] = {}
+        self.meta: RecordMap = new_record_map()
         self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
         self.kids: dict[Hash, int] = {}
         self.deferred: dict[Hash, None] = {}

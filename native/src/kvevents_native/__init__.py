@@ -8,11 +8,14 @@ Python object per event, and the content-key kernels :func:`prompt_keys` and
 :func:`walk` and :func:`assembler`, the router's prefix walk and the assembly of its
 answer (:mod:`kvevents.consumers.router.walk`), and :class:`SlotMarks`, a tier's marks
 (content key -> slots holding it) in flat tables the walk reads directly
-(:mod:`kvevents.consumers.index.marks`).
+(:mod:`kvevents.consumers.index.marks`), and :class:`RecordTable`, a KV-cache group's
+metadata records (engine hash -> packed record) in a flat table
+(:mod:`kvevents.consumers.index.records`).
 """
 
 from kvevents_native._core import (
     ParsedBatch,
+    RecordTable,
     SlotMarks,
     __version__,
     assembler,
@@ -24,6 +27,7 @@ from kvevents_native._core import (
 
 __all__ = [
     "ParsedBatch",
+    "RecordTable",
     "SlotMarks",
     "__version__",
     "assembler",
