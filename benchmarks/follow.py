@@ -20,7 +20,9 @@ Rows, in block-events/s (one block hash of any event), same run:
   content keys, the Python index rules); skipped, saying so, without the core.
 
 Both index rows must end with the same counters and entries (checked), and no payload may
-fall back to the Python decoder.  Run:
+fall back to the Python decoder.  Memory rows: bytes per resident (worker, tier, hash)
+entry, the RSS growth of following the stream (the index kept) minus that of only
+decoding it, each path in a fresh process, the Python core and the compiled one.  Run:
 ``python benchmarks/follow.py [--quick] [--engines N] [--requests N] [--rounds N]``;
 ``--once PATH`` runs one pass of one path for an instruction count (see
 ``docs/benchmarks.md``).
@@ -29,6 +31,7 @@ fall back to the Python decoder.  Run:
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import sys
@@ -179,6 +182,57 @@ def once(path: str, stream: list[tuple[int, bytes]]) -> None:
         run_native(stream)
 
 
+def _rss() -> int:
+    """This process's resident set size in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_growth(path: str, stream: list[tuple[int, bytes]]) -> tuple[int, int]:
+    """RSS growth over one pass of ``path`` (``decode``: vLLM's decoder only, nothing
+    kept; ``python``, ``native``: the index, kept), and the index's resident entries."""
+    gc.collect()
+    before = _rss()
+    index = None
+    if path == "decode":
+        once("vllm", stream)
+    else:
+        index = run_python(stream) if path == "python" else run_native(stream)
+    gc.collect()
+    return _rss() - before, len(index) if index is not None else 0
+
+
+def bench_memory(args: Any) -> list[dict[str, Any]]:
+    """Bytes per resident (worker, tier, hash) entry: the RSS growth of following the
+    stream minus that of only decoding it, each in a fresh process, for the Python core
+    (``KVEVENTS_NATIVE=0``) and the compiled one."""
+    import subprocess
+
+    def run(path: str, native: bool) -> tuple[int, int]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--rss", path,
+               "--engines", str(args.engines), "--requests", str(args.requests)]  # fmt: skip
+        env = {**os.environ, "KVEVENTS_NATIVE": "1" if native else "0"}
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        got = json.loads(out.splitlines()[-1])
+        return int(got["rss"]), int(got["entries"])
+
+    rows = []
+    decode, _ = run("decode", False)
+    cores = [("python", False)] + ([("native", True)] if NATIVE is not None else [])
+    for path, native in cores:
+        grown, entries = run(path if path == "python" else "native", native)
+        label = "compiled core" if native else "Python core"
+        rows.append(
+            result(f"bytes per resident entry, {label} (vs goal)", (grown - decode) / entries,
+                   "B", MEMORY_GOAL)
+        )  # fmt: skip
+    return rows
+
+
+MEMORY_GOAL = 64.0
+"""Bytes per resident (worker, tier, hash) entry: the goal."""
+
+
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=None, help="engines (1,000; 100 quick)")
@@ -192,13 +246,22 @@ def main() -> None:
         help="build the stream, run one pass of one path, print nothing more (for "
         "valgrind --tool=callgrind: a path's count is its run's minus that of 'none')",
     )
+    parser.add_argument(
+        "--rss",
+        choices=["decode", "python", "native"],
+        help="build the stream, run one pass of one path, print its RSS growth as JSON",
+    )
     args = parser.parse_args()
-    engines = args.engines or (100 if args.quick else 1000)
-    requests = args.requests or (3 if args.quick else 6)
+    args.engines = engines = args.engines or (100 if args.quick else 1000)
+    args.requests = requests = args.requests or (3 if args.quick else 6)
     rounds = args.rounds or (1 if args.quick else 3)
     stream, total = fleet_stream(engines, requests)
     if args.once:
         once(args.once, stream)
+        return
+    if args.rss:
+        grown, entries = rss_growth(args.rss, stream)
+        print(json.dumps({"rss": grown, "entries": entries}))
         return
     size = sum(len(p) for _, p in stream)
     print(
@@ -246,7 +309,7 @@ def main() -> None:
         why = core_name() if NATIVE is None else "this build lacks ParsedBatch.ops"
         print(f"apply_payload's native row skipped ({why}): pip install ./native")
     print(f"resident (worker, tier, hash) entries at the end: {py_len:,}")
-    report("follow", results)
+    report("follow", results + bench_memory(args))
 
 
 if __name__ == "__main__":

@@ -538,6 +538,19 @@ class RecordTableObj {
     }
   }
 
+  nb::object pop(nb::handle key, nb::handle dflt) {
+    nb::object v = get(key, nb::handle());
+    if (!v.is_valid()) {
+      if (!dflt.is_valid()) {
+        PyErr_SetObject(PyExc_KeyError, key.ptr());
+        throw nb::python_error();
+      }
+      return nb::borrow(dflt);
+    }
+    delitem(key);
+    return v;
+  }
+
   bool contains(nb::handle key) const {
     if (spill_.is_valid()) {
       int r = PyDict_Contains(spill_.ptr(), key.ptr());
@@ -626,6 +639,186 @@ class RecordTableObj {
   nb::object spill_;
 };
 
+// The retained records' order (kvevents.consumers.index.join.Retention.records: an
+// OrderedDict of (worker, group, hash) -> None): natively while every key is a tuple of a
+// hashable worker id, a group in [0, 2**32) and a hash in [0, 2**64) and every value
+// None, else (for good) an OrderedDict of the same items in the same order.  Worker ids
+// are kept once each, numbered in the order first seen.
+class RetainedQueueObj {
+ public:
+  RetainedQueueObj() : ids_(nb::steal(checked(PyDict_New()))), wids_(nb::steal(checked(PyList_New(0)))) {}
+
+  void setitem(nb::handle key, nb::handle value) {
+    if (!spill_.is_valid()) {
+      uint64_t a, b;
+      if (value.is_none() && key_of(key, a, b, true)) return q_.add(a, b);
+      spill();
+    }
+    if (PyObject_SetItem(spill_.ptr(), key.ptr(), value.ptr()) < 0) throw nb::python_error();
+  }
+
+  nb::object pop(nb::handle key, nb::handle dflt) {
+    if (spill_.is_valid()) {
+      nb::object fn = nb::steal(checked(PyObject_GetAttrString(spill_.ptr(), "pop")));
+      PyObject* r = dflt.is_valid() ? PyObject_CallFunctionObjArgs(fn.ptr(), key.ptr(), dflt.ptr(), nullptr)
+                                    : PyObject_CallFunctionObjArgs(fn.ptr(), key.ptr(), nullptr);
+      return nb::steal(checked(r));
+    }
+    uint64_t a, b;
+    if (key_of(key, a, b, false) && q_.remove(a, b)) return nb::none();
+    if (!dflt.is_valid()) {
+      PyErr_SetObject(PyExc_KeyError, key.ptr());
+      throw nb::python_error();
+    }
+    return nb::borrow(dflt);
+  }
+
+  nb::object popitem(bool last) {
+    if (!spill_.is_valid() && !last) {
+      uint64_t a, b;
+      if (!q_.pop_first(a, b)) {
+        PyErr_SetString(PyExc_KeyError, "dictionary is empty");
+        throw nb::python_error();
+      }
+      return nb::make_tuple(key_obj(a, b), nb::none());
+    }
+    if (!spill_.is_valid()) spill();
+    nb::object fn = nb::steal(checked(PyObject_GetAttrString(spill_.ptr(), "popitem")));
+    return nb::steal(checked(PyObject_CallFunctionObjArgs(fn.ptr(), last ? Py_True : Py_False, nullptr)));
+  }
+
+  bool contains(nb::handle key) const {
+    if (spill_.is_valid()) {
+      int r = PySequence_Contains(spill_.ptr(), key.ptr());
+      if (r < 0) throw nb::python_error();
+      return r != 0;
+    }
+    uint64_t a, b;
+    return const_cast<RetainedQueueObj*>(this)->key_of(key, a, b, false) && q_.contains(a, b);
+  }
+
+  size_t len() const {
+    if (!spill_.is_valid()) return q_.size();
+    Py_ssize_t n = PyObject_Size(spill_.ptr());
+    if (n < 0) throw nb::python_error();
+    return static_cast<size_t>(n);
+  }
+
+  // keys (false) or (key, value) items (true), oldest first, as a new list
+  nb::object listed(bool items) const {
+    if (spill_.is_valid()) {
+      nb::object fn = nb::steal(checked(PyObject_GetAttrString(spill_.ptr(), items ? "items" : "keys")));
+      nb::object view = nb::steal(checked(PyObject_CallNoArgs(fn.ptr())));
+      return nb::steal(checked(PySequence_List(view.ptr())));
+    }
+    nb::list out;
+    q_.each([&](const kvn::KeyQueue::Entry& e) {
+      nb::object k = key_obj(e.a, e.b);
+      if (items) {
+        out.append(nb::make_tuple(k, nb::none()));
+      } else {
+        out.append(k);
+      }
+    });
+    return std::move(out);
+  }
+
+  void clear() {
+    if (spill_.is_valid()) {
+      nb::object fn = nb::steal(checked(PyObject_GetAttrString(spill_.ptr(), "clear")));
+      nb::steal(checked(PyObject_CallNoArgs(fn.ptr())));
+    } else {
+      q_.clear();
+    }
+  }
+
+  bool spilled() const { return spill_.is_valid(); }
+  size_t nbytes() const { return q_.nbytes(); }
+
+  int traverse(visitproc visit, void* arg) {
+    Py_VISIT(ids_.ptr());
+    Py_VISIT(wids_.ptr());
+    Py_VISIT(spill_.ptr());
+    return 0;
+  }
+  void drop_refs() {
+    spill_.reset();
+    PyDict_Clear(ids_.ptr());
+    q_.clear();
+  }
+
+ private:
+  static PyObject* checked(PyObject* o) {
+    if (!o) throw nb::python_error();
+    return o;
+  }
+
+  // ``key`` as the queue's two words; false when it is not one the queue holds
+  // natively (or, without ``intern``, names a worker never seen)
+  bool key_of(nb::handle key, uint64_t& a, uint64_t& b, bool intern) {
+    PyObject* k = key.ptr();
+    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 3) return false;
+    PyObject* group = PyTuple_GET_ITEM(k, 1);
+    uint64_t g;
+    if (!hash_fits(group, g) || g >= (uint64_t{1} << 32)) return false;
+    if (!hash_fits(PyTuple_GET_ITEM(k, 2), b)) return false;
+    PyObject* wid = PyTuple_GET_ITEM(k, 0);
+    PyObject* id = PyDict_GetItemWithError(ids_.ptr(), wid);
+    uint64_t n;
+    if (id) {
+      n = PyLong_AsUnsignedLongLong(id);
+    } else {
+      if (PyErr_Occurred()) throw nb::python_error();  // an unhashable worker id
+      if (!intern) return false;
+      n = static_cast<uint64_t>(PyList_GET_SIZE(wids_.ptr()));
+      if (n >= 0xFFFFFFFFull) return false;
+      nb::object num = nb::steal(checked(PyLong_FromUnsignedLongLong(n)));
+      if (PyDict_SetItem(ids_.ptr(), wid, num.ptr()) < 0 || PyList_Append(wids_.ptr(), wid) < 0)
+        throw nb::python_error();
+    }
+    a = n << 32 | g;
+    return true;
+  }
+
+  nb::object key_obj(uint64_t a, uint64_t b) const {
+    PyObject* wid = PyList_GET_ITEM(wids_.ptr(), static_cast<Py_ssize_t>(a >> 32));
+    nb::object g = nb::steal(checked(PyLong_FromUnsignedLongLong(a & 0xFFFFFFFFull)));
+    nb::object h = nb::steal(checked(PyLong_FromUnsignedLongLong(b)));
+    return nb::make_tuple(nb::borrow(wid), g, h);
+  }
+
+  void spill() {
+    nb::object mod = nb::steal(checked(PyImport_ImportModule("collections")));
+    nb::object od_type = nb::steal(checked(PyObject_GetAttrString(mod.ptr(), "OrderedDict")));
+    nb::object d = nb::steal(checked(PyObject_CallNoArgs(od_type.ptr())));
+    q_.each([&](const kvn::KeyQueue::Entry& e) {
+      if (PyObject_SetItem(d.ptr(), key_obj(e.a, e.b).ptr(), Py_None) < 0) throw nb::python_error();
+    });
+    q_.clear();
+    spill_ = std::move(d);
+  }
+
+  kvn::KeyQueue q_;
+  nb::object ids_;   // worker id -> its number
+  nb::object wids_;  // number -> worker id
+  nb::object spill_;
+};
+
+int retained_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  return nb::inst_ptr<RetainedQueueObj>(self)->traverse(visit, arg);
+}
+
+int retained_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<RetainedQueueObj>(self)->drop_refs();
+  return 0;
+}
+
+PyType_Slot retained_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(retained_traverse)},
+                                {Py_tp_clear, reinterpret_cast<void*>(retained_clear)},
+                                {0, nullptr}};
+
 int record_table_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
   if (!nb::inst_ready(self)) return 0;
@@ -712,9 +905,9 @@ NB_MODULE(_core, m) {
   nb::class_<RecordTableObj>(
       m, "RecordTable", nb::type_slots(record_table_slots),
       "One KV-cache group's metadata records (engine hash -> record, the packed ints of "
-      "kvevents.consumers.index.records) in a flat insertion-ordered table; read and "
-      "written like the dict it replaces (get, [], in, del, len, keys/values/items as "
-      "lists in insertion order, clear).  A hash or record that does not fit (not an int "
+      "kvevents.consumers.index.records) or CPU/STORAGE refcounts (hash -> count) in a flat "
+      "insertion-ordered table; read and written like the dict it replaces (get, [], in, "
+      "del, pop, len, keys/values/items as lists in insertion order, clear).  A hash or record that does not fit (not an int "
       "in [0, 2**64), or not in (0, 2**192)) moves every item to a Python dict, for good.")
       .def(nb::init<>())
       .def("get", &RecordTableObj::get, nb::arg("key").none(),
@@ -723,6 +916,14 @@ NB_MODULE(_core, m) {
       .def("__setitem__", &RecordTableObj::setitem, nb::arg("key").none(), nb::arg("value").none())
       .def("__delitem__", &RecordTableObj::delitem, nb::arg("key").none())
       .def("__contains__", &RecordTableObj::contains, nb::arg("key").none())
+      .def(
+          "pop",
+          [](RecordTableObj& t, nb::args args) {
+            if (args.size() < 1 || args.size() > 2)
+              throw nb::type_error("pop expected 1 or 2 arguments");
+            return t.pop(args[0], args.size() == 2 ? nb::handle(args[1]) : nb::handle());
+          },
+          "pop(key[, default])")
       .def("__len__", &RecordTableObj::len)
       .def("__iter__", [](const RecordTableObj& t) { return nb::iter(t.listed(0)); })
       .def("keys", [](const RecordTableObj& t) { return t.listed(0); })
@@ -743,6 +944,33 @@ NB_MODULE(_core, m) {
       .def_prop_ro("spilled", &RecordTableObj::spilled,
                    "Whether a Python dict holds the items (something did not fit).")
       .def_prop_ro("nbytes", &RecordTableObj::nbytes, "Bytes the native table holds.");
+
+  nb::class_<RetainedQueueObj>(
+      m, "RetainedQueue", nb::type_slots(retained_slots),
+      "The index's retained records in order (kvevents.consumers.index.join.Retention: an "
+      "OrderedDict of (worker, group, hash) -> None) in a flat table of 16-byte entries; "
+      "used like that OrderedDict ([k] = None, pop(k, default), popitem(last=False), in, "
+      "len, keys/items as lists oldest first, clear).  A key or value it does not hold "
+      "natively moves every item to an OrderedDict, for good.")
+      .def(nb::init<>())
+      .def("__setitem__", &RetainedQueueObj::setitem, nb::arg("key").none(), nb::arg("value").none())
+      .def(
+          "pop",
+          [](RetainedQueueObj& q, nb::args args) {
+            if (args.size() < 1 || args.size() > 2)
+              throw nb::type_error("pop expected 1 or 2 arguments");
+            return q.pop(args[0], args.size() == 2 ? nb::handle(args[1]) : nb::handle());
+          },
+          "pop(key[, default])")
+      .def("popitem", &RetainedQueueObj::popitem, nb::arg("last") = true)
+      .def("__contains__", &RetainedQueueObj::contains, nb::arg("key").none())
+      .def("__len__", &RetainedQueueObj::len)
+      .def("__iter__", [](const RetainedQueueObj& q) { return nb::iter(q.listed(false)); })
+      .def("keys", [](const RetainedQueueObj& q) { return q.listed(false); })
+      .def("items", [](const RetainedQueueObj& q) { return q.listed(true); })
+      .def("clear", &RetainedQueueObj::clear)
+      .def_prop_ro("spilled", &RetainedQueueObj::spilled)
+      .def_prop_ro("nbytes", &RetainedQueueObj::nbytes, "Bytes the native table holds.");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

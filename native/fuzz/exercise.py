@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the tier marks, the record table, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
+the tier marks, the record table, the retained order, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
 
 from __future__ import annotations
 
@@ -66,6 +66,19 @@ for _ in range(rounds):
         elif h in records:
             del records[h]
     records.items(), records.isdisjoint(range(10)), len(records), records.nbytes
+    retained = kn.RetainedQueue()
+    for _ in range(rng.randrange(200)):  # retire, forget, trim, a spill now and then
+        key = (("w", rng.randrange(3)), rng.randrange(2), rng.randrange(40))
+        if rng.random() < 0.01:
+            key = (("w", 0), -1, b"h")
+        r = rng.random()
+        if r < 0.6:
+            retained[key] = None
+        elif r < 0.8:
+            retained.pop(key, None)
+        elif len(retained):
+            retained.popitem(last=False)
+    retained.items(), len(retained), retained.nbytes
     for get in (marks.get, slot_marks.get):
         kn.walk(
             keys,

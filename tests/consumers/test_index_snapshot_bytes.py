@@ -140,10 +140,10 @@ CASES = {
     ),
 }
 PINNED = {
-    "random, cap 40": "9fcbb28ddc8e96c95eac9ab7",
-    "random, cap 12, bpc 2": "1214c51d64198b1763fd1acd",
-    "random, token ids kept": "6e1ddb61ae36f1d10ac410d3",
-    "random, no cap pressure": "c1565000a0c00d136f932ac7",
+    "random, cap 40": "cf63040bc46e8002c7218f10",
+    "random, cap 12, bpc 2": "e5290eec9d740eb011273ded",
+    "random, token ids kept": "77568c9ab30639685443632d",
+    "random, no cap pressure": "65d5801d6c9f279807ac7eba",
     "random, eagle, retention 0": "36d7c50309c90fd72a7fb5c2",
 }
 

@@ -1,14 +1,17 @@
 """The compiled record table (``kvevents_native.RecordTable``) answers exactly as the
-dict it replaces in ``GroupState.meta``: random sets (new keys last, known keys in
+dict it replaces in ``GroupState.meta``, and the compiled retained order
+(``kvevents_native.RetainedQueue``) as the OrderedDict of ``Retention.records``: random sets (new keys last, known keys in
 place), deletions, deletion and re-insertion (to the end), clears, growth past
 rehashes and compaction after mass deletion, records of every width up to 192 bits,
 and keys or records that do not fit (bytes and negative hashes, wider ints, tuples),
-after which a Python dict holds the same items in the same order.  Skipped without
+after which a Python dict holds the same items in the same order; retirements, forgets
+and trims of the oldest, keys that do not fit.  Skipped without
 ``kvevents-native``."""
 
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -142,3 +145,75 @@ def test_a_table_of_a_million_entries_stays_compact() -> None:
     for h in range(0, n, 2):
         del t[h * 0x9E3779B97F4A7C15 % 2**64]
     assert len(t) == n // 2 and t.nbytes / (n // 2) <= 2 * 56
+
+
+# --- the retained order: kvevents_native.RetainedQueue against an OrderedDict ----------
+
+WIDS = st.sampled_from([("a", 0), ("a", 1), ("tcp://b:5557", 0), "plain"])
+ENTRY_KEYS = st.tuples(WIDS, st.sampled_from([0, 1, 7, 2**32 - 1]), HASHES)
+ODD_KEYS: list[Any] = [
+    (("a", 0), 0, b"\x02" * 32),  # bytes hash
+    (("a", 0), -1, 5),  # negative group
+    (("a", 0), 2**32, 5),  # group beyond 32 bits
+    (("a", 0), 0, -3),  # negative hash
+    "not a tuple",
+]
+
+
+class RetainedMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = kn.RetainedQueue()
+        self.spec: OrderedDict[Any, None] = OrderedDict()
+
+    @rule(key=ENTRY_KEYS)
+    def retire(self, key: Any) -> None:
+        self.queue[key] = None
+        self.spec[key] = None
+
+    @rule(key=ENTRY_KEYS)
+    def forget(self, key: Any) -> None:
+        assert self.queue.pop(key, None) is self.spec.pop(key, None)
+
+    @rule(n=st.integers(1, 5))
+    def trim(self, n: int) -> None:
+        for _ in range(n):
+            if not self.spec:
+                with pytest.raises(KeyError):
+                    self.queue.popitem(last=False)
+                return
+            assert self.queue.popitem(last=False) == self.spec.popitem(last=False)
+
+    @rule(wid=WIDS, first=st.integers(100, 5_000), n=st.integers(1, 300))
+    def many(self, wid: Any, first: int, n: int) -> None:
+        for h in range(first, first + n):
+            self.queue[(wid, 0, h)] = self.spec[(wid, 0, h)] = None
+
+    @rule(which=st.integers(0, len(ODD_KEYS) - 1))
+    def odd_key(self, which: int) -> None:
+        self.queue[ODD_KEYS[which]] = None
+        self.spec[ODD_KEYS[which]] = None
+        assert self.queue.spilled
+
+    @invariant()
+    def alike(self) -> None:
+        assert self.queue.items() == list(self.spec.items())
+        assert self.queue.keys() == list(self.spec) == list(self.queue)
+        assert len(self.queue) == len(self.spec)
+        for key in self.spec:
+            assert key in self.queue
+        assert (("never", 9), 0, 1) not in self.queue
+
+
+TestRetainedMachine = RetainedMachine.TestCase
+TestRetainedMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+def test_retained_pop_without_default_raises_key_error() -> None:
+    q = kn.RetainedQueue()
+    q[(("a", 0), 0, 1)] = None
+    with pytest.raises(KeyError):
+        q.pop((("a", 0), 0, 2))
+    assert q.pop((("a", 0), 0, 1)) is None and len(q) == 0
+    q[(("a", 0), 0, 1)] = "a value other than None"  # kept, by the OrderedDict
+    assert q.spilled and q.items() == [((("a", 0), 0, 1), "a value other than None")]

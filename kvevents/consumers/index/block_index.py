@@ -52,13 +52,14 @@ package; none imports it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 from kvevents.consumers.index.apply import Feeder
 from kvevents.consumers.index.bulk import PayloadStats, apply_payload, payload_stats
 from kvevents.consumers.index.eviction import QueueItem
-from kvevents.consumers.index.join import EntryKey
+from kvevents.consumers.index.join import EntryKey, RetainedOrder, adopt_retained
 from kvevents.consumers.index.layout import IndexLayout, build_layout
 from kvevents.consumers.index.marks import Marks, TierMarks, adopt, as_tier_marks
 from kvevents.consumers.index.queries import block_info, held_content_keys, summary
@@ -75,7 +76,11 @@ __all__ = ["BlockIndex"]
 _SNAPSHOT_FORMS: dict[type, Any] = (
     {}
     if NATIVE is None
-    else {NATIVE.SlotMarks: as_tier_marks, NATIVE.RecordTable: lambda t: dict(t.items())}
+    else {
+        NATIVE.SlotMarks: as_tier_marks,
+        NATIVE.RecordTable: lambda t: dict(t.items()),
+        NATIVE.RetainedQueue: lambda q: OrderedDict(q.items()),
+    }
 )
 """The compiled core's tables, written as the Python tables they equal."""
 
@@ -239,9 +244,11 @@ class BlockIndex:
     def _adopt_tables(self) -> None:
         # a snapshot holds TierMarks and dicts: the core that runs now keeps its own kinds
         feed = self._feed
+        feed.retention.records = adopt_retained(feed.retention.records)
         for w in feed.workers.values():
             for gs in w.groups.values():
                 gs.meta = adopt_records(gs.meta)
+                gs.refs = (gs.refs[0], adopt_records(gs.refs[1]), adopt_records(gs.refs[2]))
         marks = feed.marks
         if all(type(m) is TierMarks for m in marks):
             feed.marks = feed.cap.marks = self._tier_marks = (
@@ -299,13 +306,15 @@ class BlockIndex:
 
     @property
     def native_nbytes(self) -> int:
-        """Bytes the compiled core's tables hold for this index (its marks and records;
-        0 when pure Python runs).  Not Python allocations: ``tracemalloc`` misses them."""
+        """Bytes the compiled core's tables hold for this index (its marks, records,
+        refcounts and retained order; 0 when pure Python runs).  Not Python allocations:
+        ``tracemalloc`` misses them."""
         feed = self._feed
         n = sum(getattr(m, "nbytes", 0) for m in feed.marks)
+        n += getattr(feed.retention.records, "nbytes", 0)
         for w in feed.workers.values():
             for gs in w.groups.values():
-                n += getattr(gs.meta, "nbytes", 0)
+                n += sum(getattr(t, "nbytes", 0) for t in (gs.meta, *gs.refs))
         return n
 
     def gauges(self) -> dict[str, int]:
@@ -351,7 +360,7 @@ class BlockIndex:
         return self._feed.workers
 
     @property
-    def _retired(self) -> dict[EntryKey, None]:
+    def _retired(self) -> RetainedOrder:
         return self._feed.retention.records
 
     @property

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from itertools import islice
 from typing import Any, Union
 
@@ -250,7 +250,7 @@ class Eviction:
             if pn is not None:
                 gs.kids[pn] = gs.kids.get(pn, 0) + 1
 
-    def clear_group(self, gs: GroupState, held: set[Hash]) -> None:
+    def clear_group(self, gs: GroupState, held: Collection[Hash]) -> None:
         """The entries ``held`` of ``gs`` stopped being resident at once (a clear or a
         reset): nothing of the group is resident any more."""
         self.resident -= len(held)
@@ -456,8 +456,8 @@ def _still_queued(gs: GroupState, x: QueueItem, kept: set[Hash]) -> QueueItem | 
     r1, r2 = gs.refs[1], gs.refs[2]
     if (
         holds_none(gs.meta, x)
-        and (not r1 or r1.keys().isdisjoint(x))
-        and (not r2 or r2.keys().isdisjoint(x))
+        and (not r1 or holds_none(r1, x))
+        and (not r2 or holds_none(r2, x))
     ):
         return None
     resident = [y for y in x if gs.held(y)]

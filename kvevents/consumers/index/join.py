@@ -13,18 +13,52 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import Any, Protocol
 
 from kvevents.consumers.index.eviction import Eviction
 from kvevents.consumers.index.records import Hash
 from kvevents.consumers.index.stats import IndexStats
 from kvevents.consumers.index.workers import GroupState, WorkerId, WorkerTable
+from kvevents.native import NATIVE
 
-__all__ = ["EntryKey", "PendingTable", "Retention"]
+__all__ = ["EntryKey", "PendingTable", "RetainedOrder", "Retention", "adopt_retained"]
 
 logger = logging.getLogger("kvevents.consumers.index")
 
 EntryKey = tuple[WorkerId, int, Hash]
 """One (worker, group, hash) entry."""
+
+
+class RetainedOrder(Protocol):
+    """The retained entries, oldest first: an ``OrderedDict`` of entry -> None, or with
+    the compiled core its ``kvevents_native.RetainedQueue`` (the same entries in a flat
+    table of 16-byte entries; keys() and items() are lists there)."""
+
+    def __setitem__(self, key: EntryKey, value: None, /) -> None: ...
+    def __contains__(self, key: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def pop(self, key: EntryKey, default: None, /) -> None: ...
+    def popitem(self, last: bool = ...) -> tuple[EntryKey, None]: ...
+    def keys(self) -> Any: ...
+    def items(self) -> Any: ...
+
+
+def new_retained() -> RetainedOrder:
+    """An empty retained order: the compiled core's when it runs, else an OrderedDict."""
+    if NATIVE is not None:
+        return NATIVE.RetainedQueue()  # type: ignore[no-any-return]
+    return OrderedDict()
+
+
+def adopt_retained(order: RetainedOrder) -> RetainedOrder:
+    """``order`` (a restored snapshot's OrderedDict) in the kind :func:`new_retained`
+    makes, in the same order."""
+    if NATIVE is None or not isinstance(order, OrderedDict):
+        return order
+    out = new_retained()
+    for key in order:
+        out[key] = None
+    return out
 
 
 class PendingTable:
@@ -120,7 +154,7 @@ class Retention:
         self.table = table
         self.stats = stats
         self.cap = cap
-        self.records: OrderedDict[EntryKey, None] = OrderedDict()
+        self.records: RetainedOrder = new_retained()
 
     def retire(self, wid: WorkerId, gs: GroupState, h: Hash) -> None:
         """``h`` of ``gs`` is no longer held by any tier: keep its record, bounded."""

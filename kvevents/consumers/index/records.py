@@ -87,6 +87,7 @@ __all__ = [
     "Hash",
     "Record",
     "RecordMap",
+    "RefCounts",
     "add_gpu",
     "adopt_records",
     "block_size",
@@ -101,6 +102,7 @@ __all__ = [
     "holds_none",
     "lora_name",
     "new_record_map",
+    "new_ref_counts",
     "pack",
     "packs_end",
     "packs_size",
@@ -124,6 +126,10 @@ compiled core its ``kvevents_native.RecordTable`` (the same items in a flat tabl
 32-byte entries; keys(), values() and items() are lists there).  Made by
 :func:`new_record_map`."""
 
+RefCounts = MutableMapping[Hash, int]
+"""A CPU or STORAGE tier's refcounts by chunk-tail hash, in insertion order: a dict, or
+with the compiled core a ``kvevents_native.RecordTable`` (counts are ints it holds)."""
+
 if NATIVE is not None:
     MutableMapping.register(NATIVE.RecordTable)
 
@@ -135,7 +141,14 @@ def new_record_map() -> RecordMap:
     return {}
 
 
-def adopt_records(records: RecordMap) -> RecordMap:
+def new_ref_counts() -> RefCounts:
+    """An empty tier's refcounts: the compiled core's table when it runs, else a dict."""
+    if NATIVE is not None:
+        return NATIVE.RecordTable()  # type: ignore[no-any-return]
+    return {}
+
+
+def adopt_records(records: MutableMapping[Hash, Any]) -> Any:
     """``records`` (a restored snapshot's dict) in the kind :func:`new_record_map`
     makes, in the same order."""
     if NATIVE is None or type(records) is not dict:
@@ -146,8 +159,9 @@ def adopt_records(records: RecordMap) -> RecordMap:
     return out
 
 
-def holds_none(records: RecordMap, hashes: Iterable[Hash]) -> bool:
-    """Whether no hash of ``hashes`` has a record (one C-level pass either way)."""
+def holds_none(records: MutableMapping[Hash, Any], hashes: Iterable[Hash]) -> bool:
+    """Whether no hash of ``hashes`` is a key of ``records`` (one C-level pass either
+    way)."""
     if type(records) is dict:
         return records.keys().isdisjoint(hashes)
     return bool(records.isdisjoint(hashes))  # type: ignore[attr-defined]

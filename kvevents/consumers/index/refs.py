@@ -276,10 +276,12 @@ class RefRules:
         for gs in w.groups.values():
             slot = gs.slot
             meta = gs.meta
-            held: set[Hash] = set()
+            # what was held, in a defined order (GPU in record order, then CPU and
+            # STORAGE in refcount order): the order its records are retired in
+            held: dict[Hash, None] = {}
             for h, m in meta.items():
                 if gpu_refs(m):
-                    held.add(h)
+                    held[h] = None
                     ck = content_key(m)
                     if ck is not None:
                         gpu_marks.unmark(ck, slot)
@@ -293,7 +295,7 @@ class RefRules:
                     ck = content_key(tm) if tm is not None else None
                     if ck is not None:
                         marks.unmark(ck, slot)
-                held.update(refs)
+                held.update(dict.fromkeys(refs))
                 refs.clear()
             self.cap.clear_group(gs, held)
             if keep_metadata:

@@ -12,7 +12,14 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from kvevents.consumers.index.records import Hash, RecordMap, gpu_refs, new_record_map
+from kvevents.consumers.index.records import (
+    Hash,
+    RecordMap,
+    RefCounts,
+    gpu_refs,
+    new_record_map,
+    new_ref_counts,
+)
 from kvevents.events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PREFIX_INDEXABLE_SPEC_KINDS
 
 __all__ = [
@@ -111,7 +118,12 @@ class GroupState:
         # kind None, prefix-indexable, sliding window or chunked local: compute content keys
         self.indexable_kind = True
         self.meta: RecordMap = new_record_map()
-        self.refs: tuple[dict[Hash, int], dict[Hash, int], dict[Hash, int]] = ({}, {}, {})
+        # (GPU references are counted in the records; refs[GPU] stays an empty dict)
+        self.refs: tuple[dict[Hash, int], RefCounts, RefCounts] = (
+            {},
+            new_ref_counts(),
+            new_ref_counts(),
+        )
         self.kids: dict[Hash, int] = {}
         self.deferred: dict[Hash, None] = {}
 

@@ -10,12 +10,14 @@ answer (:mod:`kvevents.consumers.router.walk`), and :class:`SlotMarks`, a tier's
 (content key -> slots holding it) in flat tables the walk reads directly
 (:mod:`kvevents.consumers.index.marks`), and :class:`RecordTable`, a KV-cache group's
 metadata records (engine hash -> packed record) in a flat table
-(:mod:`kvevents.consumers.index.records`).
+(:mod:`kvevents.consumers.index.records`), and :class:`RetainedQueue`, the records kept
+for late joins, oldest first (:mod:`kvevents.consumers.index.join`).
 """
 
 from kvevents_native._core import (
     ParsedBatch,
     RecordTable,
+    RetainedQueue,
     SlotMarks,
     __version__,
     assembler,
@@ -28,6 +30,7 @@ from kvevents_native._core import (
 __all__ = [
     "ParsedBatch",
     "RecordTable",
+    "RetainedQueue",
     "SlotMarks",
     "__version__",
     "assembler",
