@@ -113,9 +113,10 @@ class RecordTable {
     return s < 0 ? -1 : index_[static_cast<size_t>(s)];
   }
 
-  // Compact the entries (in order) and re-index them with room to double.
+  // Compact the entries (in order) and re-index them in the least power of two that is
+  // at most 2/3 full with one more entry.
   void rebuild() {
-    const size_t want = live_ * 2 + 2;
+    const size_t want = live_ + 1;  // then at most 2/3 full: a slot holds 1.5-3 entries' worth
     std::vector<Entry> kept;
     kept.reserve(live_ + live_ / 4 + 8);
     for (const Entry& e : entries_)
@@ -243,7 +244,7 @@ class KeyQueue {
   }
 
   void rebuild() {
-    const size_t want = live_ * 2 + 2;
+    const size_t want = live_ + 1;  // then at most 2/3 full: a slot holds 1.5-3 entries' worth
     std::vector<Entry> kept;
     kept.reserve(live_ + live_ / 4 + 8);
     for (size_t n = head_; n < entries_.size(); ++n)

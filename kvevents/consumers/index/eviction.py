@@ -454,11 +454,7 @@ def _still_queued(gs: GroupState, x: QueueItem, kept: set[Hash]) -> QueueItem | 
     # a GPU store.  Usually none of its hashes has a record or a CPU/STORAGE reference any
     # more (its blocks were removed and their records trimmed): one C-level pass each tells
     r1, r2 = gs.refs[1], gs.refs[2]
-    if (
-        holds_none(gs.meta, x)
-        and (not r1 or holds_none(r1, x))
-        and (not r2 or holds_none(r2, x))
-    ):
+    if holds_none(gs.meta, x) and (not r1 or holds_none(r1, x)) and (not r2 or holds_none(r2, x)):
         return None
     resident = [y for y in x if gs.held(y)]
     if len(resident) == len(x) and kept.isdisjoint(x) and gs.deferred.keys().isdisjoint(x):
