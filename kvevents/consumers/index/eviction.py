@@ -18,7 +18,8 @@ place of its parent, and when the queue reaches it the block is evicted, or defe
 and then counted (the flag cleared).  The eviction order is the one full counts give;
 the usual GPU store of many blocks costs one count instead of one per block, and
 their one-hash removals none.  Which stores link freely is decided block by block in
-:mod:`.stores` (plain GPU stores of new blocks).
+:mod:`.stores` (plain GPU stores of new blocks, while the bookkeeping runs or may start
+during the store: :meth:`Eviction.may_track`).
 
 Changing a rule here: the order is :meth:`Eviction.evict`'s three steps;
 ``tests/consumers/test_index_cap.py`` checks the bound, the children counts and the
@@ -181,6 +182,11 @@ class Eviction:
                     self.compact()
         if self.resident > self.watch:
             self.watch_hit()
+
+    def may_track(self, n: int) -> bool:
+        """Whether the bookkeeping runs, or may start before ``n`` more entries are
+        resident (:meth:`watch_hit` starts it once more than ``watch`` are)."""
+        return self.tracking or self.resident + n > self.watch
 
     def watch_hit(self) -> None:
         """More entries are resident than ``watch``: start the eviction bookkeeping

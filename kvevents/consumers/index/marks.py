@@ -53,12 +53,10 @@ _BITS: list[int] = [1 << s for s in range(64)]
 """``1 << slot`` by slot, shared: a key one slot holds maps to this object (no new int)."""
 
 
-def _bit(slot: int) -> int:
-    try:
-        return _BITS[slot]
-    except IndexError:
-        _BITS.extend(1 << s for s in range(len(_BITS), slot + 1))
-        return _BITS[slot]
+def _new_bit(slot: int) -> int:
+    """``1 << slot`` for a slot beyond :data:`_BITS`, which grows to hold it."""
+    _BITS.extend(1 << s for s in range(len(_BITS), slot + 1))
+    return _BITS[slot]
 
 
 class TierMarks(dict[int, int]):
@@ -78,7 +76,10 @@ class TierMarks(dict[int, int]):
 
     def mark(self, ck: int, slot: int) -> None:
         """One more reference of ``ck`` by ``slot``."""
-        bit = _bit(slot)
+        try:
+            bit = _BITS[slot]
+        except IndexError:
+            bit = _new_bit(slot)
         v = self.get(ck)
         if v is None:
             self[ck] = bit
@@ -90,7 +91,10 @@ class TierMarks(dict[int, int]):
 
     def unmark(self, ck: int, slot: int) -> None:
         """One reference of ``ck`` by ``slot`` fewer (the slot's bit goes with the last)."""
-        bit = _bit(slot)
+        try:
+            bit = _BITS[slot]
+        except IndexError:
+            bit = _new_bit(slot)
         d = self.dups
         if d:
             c = d.get((ck, bit))
@@ -101,13 +105,10 @@ class TierMarks(dict[int, int]):
                     d[(ck, bit)] = c - 1
                 return
         v = self.get(ck)
-        if v is None:
-            return
-        v &= ~bit
-        if v:
-            self[ck] = v
-        else:
-            del self[ck]
+        if v == bit:
+            del self[ck]  # the slot was its only holder
+        elif v is not None and v & bit:
+            self[ck] = v & ~bit
 
 
 def new_marks() -> Marks:

@@ -68,22 +68,28 @@ class _StoreRun:
     store, with no earlier place in the eviction queue, is not counted among its
     parent's resident children; its record carries the flag instead.  The first block
     that had a record (or whose hash is not a plain 64-bit number) ends them for the
-    rest of the store.
+    rest of the store.  A link is free only while the memory cap's bookkeeping runs, so
+    a store during which it neither runs nor can start has none.
     """
 
     __slots__ = (
         "end",
         "ev",
+        "extras",
         "feed",
         "free_links",
         "gs",
         "hold",
+        "keep",
         "key",
         "keyed",
+        "la",
         "link_free",
+        "lora",
         "off",
         "parent",
         "pending",
+        "size",
         "tier",
         "tokens",
         "w",
@@ -111,6 +117,12 @@ class _StoreRun:
         self.key = key
         self.end = end
         self.parent: Hash | None = ev.parent_block_hash
+        # the event's fields each block reads
+        self.size = ev.block_size
+        self.lora = ev.lora_name
+        self.extras = ev.extra_keys
+        self.la = ev.lookahead_token_ids
+        self.keep = feed.keep_token_ids
         self.tokens = store_tokens(ev.token_ids, feed.canonical_block_size) if keyed else None
         self.pending = w.wid in feed.pending.per_worker
         # a new GPU record is made holding its first GPU reference (RefRules.ref's
@@ -129,11 +141,11 @@ class _StoreRun:
             m = meta.get(h)
             if self.free_links and (m is not None or not plain_hash(h)):
                 self.free_links = self.link_free = False
-            held = False
             if m is None:
                 ck = new_record(i, h, None)
                 held = hold
             else:
+                held = False
                 ck = content_key(m)
                 if ck is None and keyed and self.key is not None:
                     ck = new_record(i, h, m)  # an orphan healed
@@ -150,60 +162,66 @@ class _StoreRun:
         """Record block ``i`` (hash ``h``) with its content key (returned: the key its
         marks use), keeping the refcount of an orphan's record ``old``, and join the
         placeholders waiting for it."""
-        feed, gs, ev = self.feed, self.gs, self.ev
-        size = ev.block_size
+        size, extras, tokens = self.size, self.extras, self.tokens
         end = self.end + size if self.end is not None else None
         start = self.off + i * size
-        extra = ev.extra_keys[i] if ev.extra_keys is not None and i < len(ev.extra_keys) else None
+        extra = extras[i] if extras is not None and i < len(extras) else None
         chain = ck = None
-        if self.keyed and self.key is not None and self.tokens is not None:
+        if tokens is not None and self.key is not None:  # (tokens: a keyed store's)
             ex = None
             if extra is not None:
-                ex = split_extras(extra, ev.lora_name, i == 0 and ev.parent_block_hash is None)
+                root = i == 0 and self.ev.parent_block_hash is None
+                ex = split_extras(extra, self.lora, root)
             try:
-                chain = ck = self.tokens.block_key(self.key, start, size, ex)
-                la = ev.lookahead_token_ids
+                chain = ck = tokens.block_key(self.key, start, size, ex)
+                la = self.la
                 if la and i < len(la) and la[i]:
                     ck = lookahead_key(chain, la[i], lookahead_mm(ex, size))
             except ConfigError:
                 chain = ck = None  # token ids outside int64: no content key
-                feed.stats.skipped["bad_token_ids"] += 1
+                self.feed.stats.skipped["bad_token_ids"] += 1
         elif self.keyed:
-            feed.stats.skipped["unknown_parent"] += 1
-        tokens = tuple(ev.token_ids[start : start + size]) if feed.keep_token_ids else None
+            self.feed.stats.skipped["unknown_parent"] += 1
+        ids = tuple(self.ev.token_ids[start : start + size]) if self.keep else None
         end_blocks = end // size if end is not None else None
         gpu = 1 if old is None and self.hold else 0  # (see __init__)
-        m = pack(ck, end_blocks, self.parent, size, ev.lora_name, extra, tokens, chain, gpu)
+        m = pack(ck, end_blocks, self.parent, size, self.lora, extra, ids, chain, gpu)
         if self.link_free:
             m = with_free_link(m)
         if old is not None:  # an orphan healed: keep its refcount, re-key its residencies
             m = add_gpu(m, gpu_refs(old))
-            feed.rekey(gs, h, old, m)
-        gs.meta[h] = m
+            self.feed.rekey(self.gs, h, old, m)
+        self.gs.meta[h] = m
         if self.pending:
-            p = feed.pending.take(self.w.wid, gs.group, h)
-            if p is not None:
-                feed.join_pending(self.w, gs, h, m, p)
-        self.key, self.end = (chain if chain is not None else ck), end
+            self.join(h, m)
+        self.key, self.end = chain, end  # (chain is None only where ck is)
         return ck
+
+    def join(self, h: Hash, m: Record) -> None:
+        """The placeholders waiting for ``h`` (new record ``m``) join it."""
+        feed, w, gs = self.feed, self.w, self.gs
+        p = feed.pending.take(w.wid, gs.group, h)
+        if p is not None:
+            feed.join_pending(w, gs, h, m, p)
 
 
 def _free_links_allowed(run: _StoreRun) -> bool:
-    """Whether a store's blocks may link freely: a GPU store whose every new record is
-    a packed one (no LoRA name, extra keys, lookahead ids or kept token ids; sizes,
-    positions and parent in range) with content keys, all its token ids packable, no
-    leading tokens outside its blocks, and no placeholder of its worker waiting."""
-    ev = run.ev
-    size, n = ev.block_size, len(ev.block_hashes)
-    parent = ev.parent_block_hash
+    """Whether a store's blocks may link freely: a GPU store during which the memory
+    cap's bookkeeping runs or may start (a link is free only while it runs: see
+    :meth:`RefRules.ref`'s return), whose every new record is a packed one (no LoRA
+    name, extra keys, lookahead ids or kept token ids; sizes, positions and parent in
+    range) with content keys, all its token ids packable, no leading tokens outside its
+    blocks, and no placeholder of its worker waiting."""
+    size, n, parent = run.size, len(run.ev.block_hashes), run.parent
     return (
         run.tier == GPU
+        and run.feed.cap.may_track(n)
         and run.keyed
-        and ev.lora_name is None
-        and ev.extra_keys is None
-        and not ev.lookahead_token_ids
+        and run.lora is None
+        and run.extras is None
+        and not run.la
         and not run.off
-        and not run.feed.keep_token_ids
+        and not run.keep
         and not run.pending
         and packs_size(size)
         and (parent is None or plain_hash(parent))
