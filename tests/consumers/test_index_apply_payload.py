@@ -2,8 +2,8 @@
 
 Two indexes are fed the same payload stream: one through ``apply_payload`` (with the
 compiled core when it runs: the native parser, native content keys, GPU removals applied
-as runs, the marks in the core's ``SlotMarks``), the other, the Python core's index (its
-marks the Python ``TierMarks``), through :class:`~kvevents.codec.BatchDecoder` and
+as runs, its tables the core's flat ones), the other, the Python core's index (its
+tables ``TierMarks``, dicts and an ``OrderedDict``), through :class:`~kvevents.codec.BatchDecoder` and
 ``apply``.  After
 every stream they must be indistinguishable: snapshot bytes, ``find_matches`` for the
 stream's prompts, ``summary``, ``len``, gauges and every counter; a payload one side
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,9 @@ from _sglang_wire import SglBatch, SglMetadata, SglRemoved, SglStored, SglStored
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvevents.consumers.index.join as join_module
 import kvevents.consumers.index.marks as marks_module
+import kvevents.consumers.index.records as records_module
 from kvevents.codec import BatchDecoder
 from kvevents.consumers import BlockIndex
 from kvevents.consumers.index.bulk import reads_natively
@@ -76,30 +81,49 @@ def feed_both(
             if before is not None:
                 assert ours.snapshot() == before  # nothing of it applied
             continue
-        spec.apply(source, rank, batch)
+        with python_core():
+            spec.apply(source, rank, batch)
         ours.apply_payload(source, rank, payload)
+    assert_python_tables(spec)
+    if marks_module.NATIVE is not None:  # the compiled core's tables on the other side
+        assert type(ours._marks[0]) is not TierMarks and type(ours._retired) is not OrderedDict
     return ours, spec
 
 
-def python_core_index(**config: Any) -> BlockIndex:
-    """An index keeping its marks as the Python core does (``TierMarks``), whichever
-    core runs."""
-    saved = marks_module.NATIVE
-    marks_module.NATIVE = None
+@contextmanager
+def python_core() -> Iterator[None]:
+    """While it lasts, new index tables are the Python core's (``TierMarks``, dicts,
+    an ``OrderedDict``), whichever core runs."""
+    modules = (marks_module, records_module, join_module)
+    saved = [m.NATIVE for m in modules]
+    for m in modules:
+        m.NATIVE = None  # type: ignore[attr-defined]
     try:
-        return BlockIndex(**config)
+        yield
     finally:
-        marks_module.NATIVE = saved
+        for m, native in zip(modules, saved):
+            m.NATIVE = native  # type: ignore[attr-defined]
+
+
+def python_core_index(**config: Any) -> BlockIndex:
+    """An index keeping its tables as the Python core does, whichever core runs (feed
+    it under :func:`python_core` too: a group's tables are made when it first appears)."""
+    with python_core():
+        return BlockIndex(**config)
 
 
 def python_core_restore(data: bytes) -> BlockIndex:
     """``BlockIndex.restore`` as the Python core restores."""
-    saved = marks_module.NATIVE
-    marks_module.NATIVE = None
-    try:
+    with python_core():
         return BlockIndex.restore(data)
-    finally:
-        marks_module.NATIVE = saved
+
+
+def assert_python_tables(index: BlockIndex) -> None:
+    assert all(type(m) is TierMarks for m in index._marks)
+    assert type(index._retired) is OrderedDict
+    for w in index._workers.values():
+        for gs in w.groups.values():
+            assert type(gs.meta) is dict and all(type(r) is dict for r in gs.refs)
 
 
 def assert_same(ours: BlockIndex, spec: BlockIndex, prompts: list[list[int]]) -> None:
@@ -364,6 +388,8 @@ def test_resets_removed_workers_and_restored_snapshots() -> None:
             batch = decoder.decode(payload)
         except DecodeError:
             continue
-        spec.apply(source, rank, batch)
+        with python_core():
+            spec.apply(source, rank, batch)
         ours.apply_payload(source, rank, payload)
+    assert_python_tables(spec)
     assert_same(ours, spec, PROMPTS)
