@@ -18,9 +18,11 @@ Python in both modes.  Rows:
 * ``find_matches``: an 8,192-token prompt over 1,000 workers (100 with ``--quick``), all
   of them or 1% holding a random prefix of it and the others as much of another prompt
   (``benchmarks/index.py``'s ``populate``), p50 and p99 in ms.  The compiled core (prompt
-  keys, marks in ``SlotMarks``, walk, assembly) against, sampled alternately in the same
-  run: the goal's floor (a Python loop of one dict lookup per block over the prompt's 512
-  keys), the goal's p99 (0.25 ms), and the same index kept and walked by the Python core.
+  keys, the index's tables in flat native storage, walk, assembly) against the goal's
+  floor (a Python loop of one dict lookup per block over the prompt's 512 keys, sampled
+  alternately), the goal's p99 (0.25 ms), and the same index kept and walked by the
+  Python core (measured next, each core's index alone in the process: a full garbage
+  collection walks every Python container alive).
 
 Run: ``python benchmarks/native.py [--quick]`` (skips, saying so, when the core does not
 run: ``pip install ./native``, and ``KVEVENTS_NATIVE`` not ``0``).
@@ -151,9 +153,9 @@ def python_index(workers: int, prompt: list[int], seed: int, every: int) -> Any:
 
 
 def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:
-    """``find_matches`` with the compiled core (prompt keys, walk, marks in SlotMarks)
-    against the same index kept and walked by the Python core, and against the issue's
-    floor: a Python loop of one dict lookup per block over the prompt's keys."""
+    """``find_matches`` with the compiled core against the goal's floor (a Python loop of
+    one dict lookup per block over the prompt's keys) and the same index kept and walked
+    by the Python core."""
     rng = random.Random(7)
     workers = 100 if quick else 1000
     prompt = [rng.randrange(50_000) for _ in range(8192)]
@@ -165,34 +167,37 @@ def bench_keys_and_find(quick: bool) -> list[dict[str, Any]]:
     if content.prompt_keys(prompt, UNIT) != keys:
         raise AssertionError("the native and the Python prompt keys differ")
     for every, what in ((1, "all hold a prefix"), (100, "1% hold a prefix")):
+        # each core's index alone in the process: a full garbage collection walks every
+        # Python container alive, the other core's index's included
         native = Router(populate(workers, prompt, random.Random(every), every))
+        want = native.find_matches(prompt)
+        gpu = dict(native.index.marks(0).items())
+        find_n: list[float] = []
+        floor: list[float] = []
+        for _ in range(reps):  # alternately, so the machine's drift hits both
+            t0 = time.perf_counter()
+            native.find_matches(prompt)
+            t1 = time.perf_counter()
+            get = gpu.get
+            for k in keys:
+                get(k)
+            t2 = time.perf_counter()
+            find_n.append(t1 - t0)
+            floor.append(t2 - t1)
+        del native, gpu
         python = Router(python_index(workers, prompt, every, every))
-        gpu = dict(python.index.marks(0).items())
+        find_p: list[float] = []
         try:
-            want = native.find_matches(prompt)
             use_core(False)
             if python.find_matches(prompt) != want:
                 raise AssertionError("the native and the Python core route differently")
-            find_n: list[float] = []
-            find_p: list[float] = []
-            floor: list[float] = []
-            for _ in range(reps):  # alternately, so the machine's drift hits all three
-                use_core(True)
+            for _ in range(reps):
                 t0 = time.perf_counter()
-                native.find_matches(prompt)
-                t1 = time.perf_counter()
-                use_core(False)
                 python.find_matches(prompt)
-                t2 = time.perf_counter()
-                get = gpu.get
-                for k in keys:
-                    get(k)
-                t3 = time.perf_counter()
-                find_n.append(t1 - t0)
-                find_p.append(t2 - t1)
-                floor.append(t3 - t2)
+                find_p.append(time.perf_counter() - t0)
         finally:
             use_core(True)
+        del python
         label = f"find_matches 8k tok x {workers} w, {what}"
         rows += [
             result(f"{label}: p50 (vs floor)", _pct(find_n, 0.5), "ms", _pct(floor, 0.5)),
