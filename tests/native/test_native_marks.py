@@ -85,7 +85,12 @@ class MarksMachine(RuleBasedStateMachine):
         assert type(form) is TierMarks
         assert list(form.items()) == list(self.python.items())
         assert list(form.dups.items()) == list(self.python.dups.items())
-        same(adopt(form), self.python)
+        restored = adopt(form)  # the running core's kind (TierMarks with KVEVENTS_NATIVE=0)
+        if type(restored) is TierMarks:
+            assert list(restored.items()) == list(self.python.items())
+            assert restored.dups == self.python.dups
+        else:
+            same(restored, self.python)
 
 
 TestMarksMachine = MarksMachine.TestCase
