@@ -119,6 +119,35 @@ class SlotMarks {
     return out;
   }
 
+  // A read-only view of one key's holders, valid until the table is next written.
+  struct View {
+    const uint64_t* words = nullptr;  // the bitset (when not ``single``)
+    size_t nwords = 0;
+    uint32_t one = 0;     // the one holder (when ``single``)
+    bool single = false;
+    bool present = false;  // someone holds the key
+    bool has(uint32_t slot) const {
+      if (!present) return false;
+      if (single) return slot == one;
+      return slot / 64 < nwords && (words[slot / 64] >> (slot % 64) & 1);
+    }
+  };
+  View view(uint64_t key) const {
+    View v;
+    const size_t i = find(key);
+    if (i == kNone) return v;
+    const Entry& e = table_[i];
+    v.present = true;
+    if (e.set == kInline) {
+      v.single = true;
+      v.one = e.one;
+    } else {
+      v.words = sets_[e.set].data();
+      v.nwords = sets_[e.set].size();
+    }
+    return v;
+  }
+
   bool contains(uint64_t key) const { return find(key) != kNone; }
   size_t size() const { return size_; }
 

@@ -7,7 +7,9 @@
 // it: a run of GPU removals is one item, token ids stay bytes); the parse itself
 // allocates none.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -15,6 +17,7 @@
 
 #include "assemble.hpp"
 #include "keys.hpp"
+#include "lookup.hpp"
 #include "marks.hpp"
 #include "records.hpp"
 #include "walk.hpp"
@@ -835,6 +838,144 @@ PyType_Slot record_table_slots[] = {
     {Py_tp_clear, reinterpret_cast<void*>(record_table_clear)},
     {0, nullptr}};
 
+// --- Lookups: kvn::Lookup over many plans (kvevents.consumers.router.lookup) ---------
+
+// an attribute of ``o`` as a new reference
+nb::object attr(nb::handle o, const char* name) { return nb::getattr(o, name); }
+
+int64_t attr_i64(nb::handle o, const char* name) { return nb::cast<int64_t>(attr(o, name)); }
+
+// the slots of a non-negative bitset
+std::vector<uint32_t> slots_of_bits(nb::handle bits) {
+  kvn::SlotMarks::Words w = words_of_int(bits);
+  std::vector<uint32_t> out;
+  for (size_t j = 0; j < w.size(); ++j) {
+    uint64_t x = w[j];
+    while (x) {
+      out.push_back(static_cast<uint32_t>(j * 64 + static_cast<size_t>(__builtin_ctzll(x))));
+      x &= x - 1;
+    }
+  }
+  return out;
+}
+
+// The plans of many workers, bound once (per layout), and their lookups per request.
+class Lookups {
+ public:
+  Lookups(nb::handle plans, nb::object match_type) : match_(std::move(match_type)) {
+    if (!PyType_Check(match_.ptr()) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(match_.ptr()), &PyTuple_Type))
+      throw nb::type_error("Lookups: the match type must be a tuple type");
+    for (nb::handle plan : nb::iter(plans)) {
+      if (!attr(plan, "blocked").is_none()) continue;  // never credited
+      if (attr_i64(plan, "lookahead") != 0)
+        throw nb::value_error("Lookups: a plan with lookahead (looked up in Python)");
+      kvn::Plan p;
+      p.unitary = nb::cast<bool>(attr(plan, "unitary"));
+      p.align = attr_i64(plan, "align");
+      p.windowed = nb::cast<bool>(attr(plan, "windowed"));
+      p.bpc = attr_i64(plan, "bpc");
+      p.eagle = nb::cast<bool>(attr(plan, "eagle"));
+      if (p.align <= 0 || p.bpc < 0) throw nb::value_error("Lookups: align or bpc out of range");
+      for (nb::handle sg : nb::iter(attr(plan, "spec_groups"))) {
+        kvn::SpecGroup g;
+        std::string cls = nb::cast<std::string>(attr(sg, "cls"));
+        g.cls = cls == "full"    ? kvn::GroupCls::Full
+                : cls == "local" ? kvn::GroupCls::Local
+                                 : kvn::GroupCls::Sliding;
+        g.block_size = attr_i64(sg, "block_size");
+        g.window = attr_i64(sg, "window");
+        for (nb::handle s : nb::iter(attr(sg, "slots"))) g.slots.push_back(nb::cast<uint32_t>(s));
+        if (slots_of_bits(attr(sg, "bits")) != sorted(g.slots))
+          throw nb::value_error("Lookups: a spec group's bits are not its slots");
+        if (g.block_size <= 0 || g.slots.empty() || (g.cls != kvn::GroupCls::Full && g.window <= 0))
+          throw nb::value_error("Lookups: a spec group without block size, slots or window");
+        p.spec_groups.push_back(std::move(g));
+      }
+      if (p.spec_groups.empty()) throw nb::value_error("Lookups: a plan without spec groups");
+      for (nb::handle cg : nb::iter(attr(plan, "chunk_groups"))) {
+        nb::tuple t = nb::cast<nb::tuple>(cg);
+        if (t.size() != 4) throw nb::value_error("Lookups: a chunk group is (cls, size, wchunks, bit)");
+        kvn::ChunkGroup g;
+        g.full = nb::cast<std::string>(t[0]) == "full";
+        g.block_size = nb::cast<int64_t>(t[1]);
+        g.wchunks = nb::cast<int64_t>(t[2]);
+        g.slots = slots_of_bits(t[3]);
+        if (g.block_size <= 0) throw nb::value_error("Lookups: a chunk group without block size");
+        p.chunk_groups.push_back(std::move(g));
+      }
+      wids_.push_back(nb::borrow(attr(plan, "wid")));
+      plans_.push_back(std::move(p));
+    }
+  }
+
+  size_t len() const { return plans_.size(); }
+
+  // out[wid] = match_type(gpu, cpu, storage) for every plan with anything reusable
+  void matches(const kvn::SlotMarks& m0, const kvn::SlotMarks& m1, const kvn::SlotMarks& m2,
+               nb::handle keys, int64_t n, int64_t unit, nb::handle prefix, nb::dict out) {
+    std::vector<uint64_t> ks;
+    {
+      nb::object seq = nb::steal(PySequence_Fast(keys.ptr(), "keys must be a sequence"));
+      if (!seq.is_valid()) throw nb::python_error();
+      const Py_ssize_t nk = PySequence_Fast_GET_SIZE(seq.ptr());
+      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+      ks.resize(static_cast<size_t>(nk));
+      for (Py_ssize_t i = 0; i < nk; ++i) {
+        ks[static_cast<size_t>(i)] = PyLong_AsUnsignedLongLong(items[i]);
+        if (PyErr_Occurred()) throw nb::python_error();
+      }
+    }
+    std::vector<int64_t> pre;
+    const bool has_prefix = !prefix.is_none();
+    if (has_prefix) {
+      nb::object seq = nb::steal(PySequence_Fast(prefix.ptr(), "prefix must be a sequence"));
+      if (!seq.is_valid()) throw nb::python_error();
+      const Py_ssize_t np = PySequence_Fast_GET_SIZE(seq.ptr());
+      PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+      pre.resize(static_cast<size_t>(np));
+      for (Py_ssize_t i = 0; i < np; ++i) {
+        pre[static_cast<size_t>(i)] = PyLong_AsLongLong(items[i]);
+        if (PyErr_Occurred()) throw nb::python_error();
+      }
+    }
+    const kvn::SlotMarks* marks[3] = {&m0, &m1, &m2};
+    try {
+      kvn::Lookup lookup(marks, ks.data(), ks.size(), n, unit, has_prefix ? pre.data() : nullptr,
+                         pre.size());
+      PyTypeObject* mt = reinterpret_cast<PyTypeObject*>(match_.ptr());
+      for (size_t i = 0; i < plans_.size(); ++i) {
+        const kvn::Hit h = lookup.match(plans_[i]);
+        if (!(h.gpu || h.cpu || h.storage)) continue;
+        nb::object t = nb::steal(mt->tp_alloc(mt, 3));
+        if (!t.is_valid()) throw nb::python_error();
+        const int64_t v[3] = {h.gpu, h.cpu, h.storage};
+        for (Py_ssize_t j = 0; j < 3; ++j) {
+          PyObject* x = PyLong_FromLongLong(v[j]);
+          if (!x) throw nb::python_error();
+          PyTuple_SET_ITEM(t.ptr(), j, x);
+        }
+        if (PyDict_SetItem(out.ptr(), wids_[i].ptr(), t.ptr()) < 0) throw nb::python_error();
+      }
+    } catch (const std::invalid_argument& e) {
+      throw nb::value_error(e.what());
+    } catch (const std::out_of_range& e) {
+      throw nb::index_error(e.what());
+    }
+  }
+
+ private:
+  static std::vector<uint32_t> sorted(std::vector<uint32_t> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    return v;
+  }
+
+  nb::object match_;
+  std::vector<nb::object> wids_;
+  std::vector<kvn::Plan> plans_;
+};
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -971,6 +1112,20 @@ NB_MODULE(_core, m) {
       .def("clear", &RetainedQueueObj::clear)
       .def_prop_ro("spilled", &RetainedQueueObj::spilled)
       .def_prop_ro("nbytes", &RetainedQueueObj::nbytes, "Bytes the native table holds.");
+
+  nb::class_<Lookups>(
+      m, "Lookups",
+      "Many workers' lookup plans (kvevents.consumers.index.LookupPlan, without lookahead; "
+      "blocked ones left out), bound once, looked up per request by vLLM's rules "
+      "(kvevents.consumers.router.lookup.WorkerLookup), reading the tiers' SlotMarks.")
+      .def(nb::init<nb::handle, nb::object>(), nb::arg("plans"), nb::arg("match_type"))
+      .def("__len__", &Lookups::len, "The plans bound (blocked ones left out).")
+      .def("matches", &Lookups::matches, nb::arg("gpu"), nb::arg("cpu"), nb::arg("storage"),
+           nb::arg("keys"), nb::arg("n"), nb::arg("unit"), nb::arg("prefix").none(),
+           nb::arg("out"),
+           "For a request of ``n`` tokens with unit keys ``keys`` (``unit`` tokens each) "
+           "and full_prefix's answer ``prefix`` (or None): out[wid] = match_type(gpu, cpu, "
+           "storage) for every plan with anything reusable, in plan order.");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

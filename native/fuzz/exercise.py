@@ -1,7 +1,9 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the tier marks, the record table, the retained order, the walk (over a dict and over the marks) and the assembly.  Checks nothing itself; the sanitizers do."""
+the tier marks, the record table, the retained order, the walk (over a dict and over the
+marks), the assembly and the per-worker lookup (random plans over the marks).  Checks
+nothing itself; the sanitizers do."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 
 import kvevents_native as kn
 
+from kvevents.consumers.index import LookupPlan, SpecGroup
 from kvevents.consumers.router.match import Match
 
 rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 33)
@@ -95,4 +98,35 @@ for _ in range(rounds):
     lay = SimpleNamespace(nslots=nslots, pos_wids=[None] + [("w", s) for s in range(nslots)])
     cpu = [e + rng.randrange(3) for e in end]
     kn.assembler(Match)(lay, end, cpu, None, rng.choice([-1, rng.getrandbits(nslots)]))
+
+
+def random_plan(w: int, nslots: int) -> LookupPlan:
+    groups, chunks = [], []
+    for _ in range(rng.randrange(1, 4)):
+        cls = rng.choice(["full", "sw", "local"])
+        size = 16 * rng.choice([1, 2])
+        slot = rng.randrange(nslots)
+        window = 0 if cls == "full" else rng.randrange(1, 100)
+        groups.append(SpecGroup(cls, size, window, 1 << slot, (slot,)))
+        chunks.append((cls, size, rng.randrange(4), 1 << slot))
+    groups.sort(key=lambda g: g.cls != "full")
+    return LookupPlan(("w", w), None, len(groups) == 1, tuple(groups), 32, tuple(chunks),
+                      rng.random() < 0.5, rng.choice([0, 1, 4]), 0, rng.random() < 0.3)  # fmt: skip
+
+
+for _ in range(rounds):
+    nslots = rng.choice([3, 64, 65, 130])
+    n = rng.randrange(0, 300)
+    keys = [rng.getrandbits(64) for _ in range(n // 16)]
+    tiers = [kn.SlotMarks() for _ in range(3)]
+    for tier in tiers:
+        for k in keys:
+            if rng.random() < 0.7:
+                tier.load(k, rng.getrandbits(nslots))
+    plans = [random_plan(w, nslots) for w in range(rng.randrange(4))]
+    prefix = rng.choice([None, [rng.randrange(300) for _ in range(nslots + 1)], [0]])
+    try:
+        kn.Lookups(plans, Match).matches(*tiers, keys, n, 16, prefix, {})
+    except IndexError:
+        pass  # a slot past a short prefix, as in Python
 print(f"exercised {rounds} rounds")

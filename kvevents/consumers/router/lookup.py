@@ -14,20 +14,67 @@ groups, sliding-window or chunked-local attention, speculative lookahead, EAGLE)
 Full-attention groups without lookahead take their GPU prefix from the one walk
 (:func:`~kvevents.consumers.router.walk.full_prefix`) when it is given.
 
+:func:`lookup_matches` looks one request up on many plans.  The compiled core's
+``kvevents_native.Lookups`` (:func:`compiled_lookups`: plans bound once, no lookahead)
+does the same per request over the tiers' ``SlotMarks``; :func:`lookup_matches` and
+:class:`WorkerLookup` are what it is tested against answer for answer (tests/native).
+
 May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
 :mod:`kvevents.request`, and the router's :mod:`~kvevents.consumers.router.match`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from itertools import repeat
+from typing import Any
 
 from kvevents.consumers.content import lookahead_key, request_keys
-from kvevents.consumers.index import BlockIndex, LookupPlan, SpecGroup
+from kvevents.consumers.index import BlockIndex, LookupPlan, SpecGroup, WorkerId
 from kvevents.consumers.router.match import Match
+from kvevents.native import NATIVE
 from kvevents.request import RequestKey
 
-__all__ = ["WorkerLookup"]
+__all__ = ["WorkerLookup", "compiled_lookups", "lookup_matches", "native_marks"]
+
+
+def lookup_matches(
+    index: BlockIndex,
+    key: RequestKey,
+    keys: list[int],
+    prefix: list[int] | None,
+    plans: Iterable[LookupPlan],
+    out: dict[WorkerId, Match],
+) -> None:
+    """``out[plan.wid]``: per plan not blocked, in order, its worker's :class:`Match`
+    for the request by :class:`WorkerLookup` (arguments as there), when anything is
+    reusable."""
+    lookup = WorkerLookup(index, key, keys, prefix)
+    for plan in plans:
+        if plan.blocked is None:
+            m = lookup.match(plan)
+            if m.gpu or m.cpu or m.storage:
+                out[plan.wid] = m
+
+
+def compiled_lookups(plans: Sequence[LookupPlan]) -> Any | None:
+    """The compiled core's ``Lookups`` of ``plans`` (blocked ones left out), or None when
+    the core does not run or lacks it, or a plan not blocked hashes lookahead tokens.
+
+    Its ``matches(marks0, marks1, marks2, keys, n, unit, prefix, out)`` writes what
+    :func:`lookup_matches` writes for a request of ``n`` tokens whose unit keys
+    (``unit`` tokens each, not empty) are ``keys``, the three arguments before them
+    being the index's tier marks (``kvevents_native.SlotMarks``)."""
+    core = getattr(NATIVE, "Lookups", None)
+    if core is None or any(p.lookahead for p in plans if p.blocked is None):
+        return None
+    return core(plans, Match)
+
+
+def native_marks(marks: Sequence[object]) -> bool:
+    """Whether every tier's marks are the compiled core's tables (what its ``Lookups``
+    reads)."""
+    return NATIVE is not None and all(type(m) is NATIVE.SlotMarks for m in marks)
 
 
 class WorkerLookup:

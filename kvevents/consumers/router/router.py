@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvevents.consumers.content import prompt_keys, request_keys
 from kvevents.consumers.index import BlockIndex, IndexLayout, WorkerId
-from kvevents.consumers.router.lookup import WorkerLookup
+from kvevents.consumers.router.lookup import compiled_lookups, lookup_matches, native_marks
 from kvevents.consumers.router.match import Candidate, Match
 from kvevents.consumers.router.pending import DEFAULT_PENDING_WEIGHT, PendingOverlay
 from kvevents.consumers.router.scoring import (
@@ -96,6 +97,7 @@ class Router:
         self.pending = pending
         self.pending_weight = pending_weight
         self._workers_cache: tuple[IndexLayout, int, list[WorkerId], set[WorkerId]] | None = None
+        self._lookups_cache: tuple[IndexLayout, Any] | None = None
 
     # ---------------------------------------------------------------- matching
 
@@ -140,15 +142,24 @@ class Router:
         if workers:
             # the GPU prefix of every full-attention slot of these workers, in one walk
             prefix = full_prefix(keys, n, lay, index) if keys and lay.complex_full_classes else None
-            rkey = key if key is not None else RequestKey(tokens)
-            lookup = WorkerLookup(index, rkey, keys, prefix)
-            for wid in workers:
-                plan = lay.plans[wid]
-                if plan.blocked is None:
-                    m = lookup.match(plan)
-                    if m.gpu or m.cpu or m.storage:
-                        out[wid] = m
+            marks = index.marks(0), index.marks(1), index.marks(2)
+            compiled = self._compiled_lookups(lay) if keys and native_marks(marks) else None
+            if compiled is not None:
+                compiled.matches(*marks, keys, n, unit, prefix, out)
+            else:
+                rkey = key if key is not None else RequestKey(tokens)
+                plans = (lay.plans[wid] for wid in workers)
+                lookup_matches(index, rkey, keys, prefix, plans, out)
         return out
+
+    def _compiled_lookups(self, lay: IndexLayout) -> Any | None:
+        """The compiled core's lookups of ``lay``'s complex workers (cached per layout),
+        or None to look them up in Python (:func:`compiled_lookups`)."""
+        cached = self._lookups_cache
+        if cached is None or cached[0] is not lay:
+            plans = [lay.plans[wid] for wid in lay.complex_workers]
+            cached = self._lookups_cache = (lay, compiled_lookups(plans))
+        return cached[1]
 
     # ---------------------------------------------------------------- choosing
 

@@ -11,10 +11,13 @@ answer (:mod:`kvevents.consumers.router.walk`), and :class:`SlotMarks`, a tier's
 (:mod:`kvevents.consumers.index.marks`), and :class:`RecordTable`, a KV-cache group's
 metadata records (engine hash -> packed record) in a flat table
 (:mod:`kvevents.consumers.index.records`), and :class:`RetainedQueue`, the records kept
-for late joins, oldest first (:mod:`kvevents.consumers.index.join`).
+for late joins, oldest first (:mod:`kvevents.consumers.index.join`), and :class:`Lookups`,
+the router's per-worker lookup by vLLM's rules over the tier marks
+(:mod:`kvevents.consumers.router.lookup`).
 """
 
 from kvevents_native._core import (
+    Lookups,
     ParsedBatch,
     RecordTable,
     RetainedQueue,
@@ -28,6 +31,7 @@ from kvevents_native._core import (
 )
 
 __all__ = [
+    "Lookups",
     "ParsedBatch",
     "RecordTable",
     "RetainedQueue",
