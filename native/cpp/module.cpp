@@ -947,16 +947,12 @@ class Lookups {
       for (size_t i = 0; i < plans_.size(); ++i) {
         const kvn::Hit h = lookup.match(plans_[i]);
         if (!(h.gpu || h.cpu || h.storage)) continue;
-        nb::object t = nb::steal(mt->tp_alloc(mt, 3));
-        if (!t.is_valid()) throw nb::python_error();
-        const int64_t v[3] = {h.gpu, h.cpu, h.storage};
-        for (Py_ssize_t j = 0; j < 3; ++j) {
-          PyObject* x = PyLong_FromLongLong(v[j]);
-          if (!x) throw nb::python_error();
-          PyTuple_SET_ITEM(t.ptr(), j, x);
-        }
-        if (PyDict_SetItem(out.ptr(), wids_[i].ptr(), t.ptr()) < 0) throw nb::python_error();
+        kvn::Ref g = kvn::chk(PyLong_FromLongLong(h.gpu));
+        kvn::Ref t = kvn::make_match(mt, g.get(), h.cpu, h.storage);  // (as the assembler's)
+        if (PyDict_SetItem(out.ptr(), wids_[i].ptr(), t.get()) < 0) throw nb::python_error();
       }
+    } catch (const kvn::WalkError&) {
+      throw nb::python_error();
     } catch (const std::invalid_argument& e) {
       throw nb::value_error(e.what());
     } catch (const std::out_of_range& e) {

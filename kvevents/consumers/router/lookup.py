@@ -20,7 +20,8 @@ does the same per request over the tiers' ``SlotMarks``; :func:`lookup_matches` 
 :class:`WorkerLookup` are what it is tested against answer for answer (tests/native).
 
 May import: :mod:`kvevents.consumers.content`, :mod:`kvevents.consumers.index`,
-:mod:`kvevents.request`, and the router's :mod:`~kvevents.consumers.router.match`.
+:mod:`kvevents.native` (the compiled core, when it runs), :mod:`kvevents.request`, and the
+router's :mod:`~kvevents.consumers.router.match`.
 """
 
 from __future__ import annotations
