@@ -32,7 +32,16 @@ from kvevents.events import (
 __all__ = ["NATIVE", "batch_from_parsed", "core_name", "native_decode", "native_version"]
 
 _SETTING = os.environ.get("KVEVENTS_NATIVE", "").strip()
-_REQUIRED = ("SlotMarks", "assembler", "parse_batch", "prompt_keys", "walk")
+_REQUIRED = (
+    "Lookups",
+    "RecordTable",
+    "RetainedQueue",
+    "SlotMarks",
+    "assembler",
+    "parse_batch",
+    "prompt_keys",
+    "walk",
+)
 """What kvevents calls in the core: a build without one of them is not used."""
 
 

@@ -60,16 +60,15 @@ def lookup_matches(
 
 def compiled_lookups(plans: Sequence[LookupPlan]) -> Any | None:
     """The compiled core's ``Lookups`` of ``plans`` (blocked ones left out), or None when
-    the core does not run or lacks it, or a plan not blocked hashes lookahead tokens.
+    the core does not run, or a plan not blocked hashes lookahead tokens.
 
     Its ``matches(marks0, marks1, marks2, keys, n, unit, prefix, out)`` writes what
     :func:`lookup_matches` writes for a request of ``n`` tokens whose unit keys
     (``unit`` tokens each, not empty) are ``keys``, the three arguments before them
     being the index's tier marks (``kvevents_native.SlotMarks``)."""
-    core = getattr(NATIVE, "Lookups", None)
-    if core is None or any(p.lookahead for p in plans if p.blocked is None):
+    if NATIVE is None or any(p.lookahead for p in plans if p.blocked is None):
         return None
-    return core(plans, Match)
+    return NATIVE.Lookups(plans, Match)
 
 
 def native_marks(marks: Sequence[object]) -> bool:
