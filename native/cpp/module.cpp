@@ -613,6 +613,9 @@ class RecordTableObj {
 
   bool spilled() const { return spill_.is_valid(); }
   size_t nbytes() const { return t_.nbytes(); }
+  // the native table (only while not spilled)
+  kvn::RecordTable& table() { return t_; }
+  const kvn::RecordTable& table() const { return t_; }
 
   int traverse(visitproc visit, void* arg) {
     Py_VISIT(spill_.ptr());
@@ -821,6 +824,85 @@ int retained_clear(PyObject* self) {
 PyType_Slot retained_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(retained_traverse)},
                                 {Py_tp_clear, reinterpret_cast<void*>(retained_clear)},
                                 {0, nullptr}};
+
+// The new blocks of a plain GPU store, from block ``first``, by the rules of
+// kvevents.consumers.index.stores._StoreRun.new_record and RefRules.ref for them (the
+// Python is the specification; tests/consumers/test_index_apply_payload.py holds this to
+// it): each block's content key chained on the one before (``key``; ``size / unit``
+// units of the packed int64 token ids from token ``off + i * size``), its record packed
+// as records.pack packs it (content key, end in blocks, size, parent + 1, one GPU
+// reference), its GPU mark, and whether it became resident (no CPU/STORAGE refcount).
+// Stops at the first block it does not store so (a hash that is not a 64-bit int, one
+// with a record, an end that does not pack).  Returns (next block, key, end, parent,
+// entries made resident).
+nb::tuple gpu_store_blocks(RecordTableObj& meta, const RecordTableObj& cpu,
+                           const RecordTableObj& storage, kvn::SlotMarks& marks, uint32_t slot,
+                           nb::handle hashes, size_t first, nb::handle packed, int64_t off,
+                           int64_t size, int64_t unit, uint64_t key, nb::handle end,
+                           nb::handle parent) {
+  constexpr int64_t kField = (int64_t{1} << 20) - 1;  // records.FIELD_MASK
+  nb::object seq = nb::steal(PySequence_Fast(hashes.ptr(), "hashes must be a sequence"));
+  if (!seq.is_valid()) throw nb::python_error();
+  const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  size_t i = first;
+  int64_t at_end = 0;
+  bool has_end = !end.is_none();
+  if (has_end) at_end = PyLong_AsLongLong(end.ptr());
+  if (at_end == -1 && PyErr_Occurred()) throw nb::python_error();
+  uint64_t par = 0;
+  bool has_parent = !parent.is_none();
+  nb::object parent_obj = nb::borrow(parent);
+  size_t added = 0;
+  Py_buffer buf;  // the packed token ids: bytes, or a memoryview of the payload's
+  if (PyObject_GetBuffer(packed.ptr(), &buf, PyBUF_SIMPLE) < 0) throw nb::python_error();
+  struct Release {
+    Py_buffer* b;
+    ~Release() { PyBuffer_Release(b); }
+  } release{&buf};
+  const bool plain = !meta.spilled() && !cpu.spilled() && !storage.spilled() && size > 0 &&
+                     size <= kField && unit > 0 && size % unit == 0 && off >= 0 &&
+                     (!has_end || at_end >= 0) &&
+                     (!has_parent || hash_fits(parent.ptr(), par)) &&
+                     static_cast<size_t>(buf.len) >=
+                         static_cast<size_t>(off + static_cast<int64_t>(n) * size) * 8;
+  if (plain) {
+    const int64_t* tokens = static_cast<const int64_t*>(buf.buf);
+    kvn::RecordTable& t = meta.table();
+    for (; i < n; ++i) {
+      uint64_t h;
+      if (!hash_fits(items[i], h) || t.find(h)) break;
+      int64_t end_field = 0;  // end in blocks + 1 (0: unknown)
+      if (has_end) {
+        const int64_t e = (at_end + size) / size;
+        if (e >= kField) break;  // records.packs_end
+        end_field = e + 1;
+      }
+      const uint64_t ck = kvn::chain_units(key, tokens + off + static_cast<int64_t>(i) * size,
+                                           static_cast<size_t>(size / unit),
+                                           static_cast<size_t>(unit));
+      // records.pack: bits 0-63 the key, 64 "has a key", 65-84 end + 1, 85-104 size,
+      // 105-169 parent + 1, 171 up the GPU refcount (one)
+      const uint64_t p_lo = has_parent ? par + 1 : 0;
+      const uint64_t p_hi = has_parent && par == ~uint64_t{0} ? 1 : 0;  // bit 64 of parent + 1
+      uint64_t w[3];
+      w[0] = ck;
+      w[1] = uint64_t{1} | static_cast<uint64_t>(end_field) << 1 |
+             static_cast<uint64_t>(size) << 21 | p_lo << 41;
+      w[2] = p_lo >> 23 | p_hi << 41 | uint64_t{1} << 43;
+      t.set(h, w);
+      marks.mark(ck, slot);
+      if (!cpu.table().find(h) && !storage.table().find(h)) ++added;
+      key = ck;
+      if (has_end) at_end += size;
+      par = h;
+      has_parent = true;
+      parent_obj = nb::borrow(items[i]);
+    }
+  }
+  nb::object end_out = has_end ? nb::steal(PyLong_FromLongLong(at_end)) : nb::none();
+  return nb::make_tuple(i, key, end_out, parent_obj, added);
+}
 
 int record_table_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
@@ -1122,6 +1204,13 @@ NB_MODULE(_core, m) {
            "For a request of ``n`` tokens with unit keys ``keys`` (``unit`` tokens each) "
            "and full_prefix's answer ``prefix`` (or None): out[wid] = match_type(gpu, cpu, "
            "storage) for every plan with anything reusable, in plan order.");
+
+  m.def("gpu_store_blocks", &gpu_store_blocks, nb::arg("meta"), nb::arg("cpu"),
+        nb::arg("storage"), nb::arg("marks"), nb::arg("slot"), nb::arg("hashes"),
+        nb::arg("first"), nb::arg("packed"), nb::arg("off"), nb::arg("size"), nb::arg("unit"),
+        nb::arg("key"), nb::arg("end").none(), nb::arg("parent").none(),
+        "The new blocks of a plain GPU store from block ``first``, natively (see module.cpp): "
+        "(next block, key, end, parent, entries made resident).");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

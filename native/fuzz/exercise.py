@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the tier marks, the record table, the retained order, the walk (over a dict and over the
+the tier marks, the record table, the retained order, the GPU store rule, the walk (over a dict and over the
 marks), the assembly and the per-worker lookup (random plans over the marks).  Checks
 nothing itself; the sanitizers do."""
 
@@ -82,6 +82,16 @@ for _ in range(rounds):
         elif len(retained):
             retained.popitem(last=False)
     retained.items(), len(retained), retained.nbytes
+    cpu, storage = kn.RecordTable(), kn.RecordTable()
+    size = rng.choice([1, 2, 4, 16])
+    nb = rng.randrange(6)
+    hashes = [rng.choice([rng.randrange(40), rng.getrandbits(64), -1]) for _ in range(nb)]
+    tokens = bytes(rng.getrandbits(8) for _ in range(8 * (nb * size + rng.randrange(-3, 4)) or 0))
+    kn.gpu_store_blocks(records if not records.spilled else kn.RecordTable(), cpu, storage,
+                        slot_marks, rng.randrange(nslots), hashes, 0, tokens, rng.randrange(3),
+                        size, rng.choice([1, 2, 4]), rng.getrandbits(64),
+                        rng.choice([None, rng.randrange(100)]),
+                        rng.choice([None, rng.getrandbits(64)]))  # fmt: skip
     for get in (marks.get, slot_marks.get):
         kn.walk(
             keys,

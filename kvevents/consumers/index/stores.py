@@ -52,6 +52,7 @@ from kvevents.consumers.index.refs import RefRules
 from kvevents.consumers.index.workers import GPU, KEYED_KINDS, TIERS, GroupState, WorkerState
 from kvevents.errors import ConfigError
 from kvevents.events import BlockStored
+from kvevents.native import NATIVE
 
 __all__ = ["Stores"]
 
@@ -137,7 +138,9 @@ class _StoreRun:
         more reference on the store's tier (:meth:`RefRules.ref`)."""
         feed, w, gs, tier, keyed = self.feed, self.w, self.gs, self.tier, self.keyed
         meta, ref, new_record, hold = gs.meta, feed.ref, self.new_record, self.hold
-        for i, h in enumerate(self.ev.block_hashes):
+        hashes = self.ev.block_hashes
+        for i in range(self.compiled_blocks(), len(hashes)):
+            h = hashes[i]
             m = meta.get(h)
             if self.free_links and (m is not None or not plain_hash(h)):
                 self.free_links = self.link_free = False
@@ -157,6 +160,40 @@ class _StoreRun:
             self.parent = h
             fresh = ref(w, gs, tier, h, ck, self.link_free, held)
             self.link_free = self.free_links and fresh
+
+    def compiled_blocks(self) -> int:
+        """How many of the store's blocks, from the first, the compiled core stored: the
+        new blocks of a plain GPU store (content keys, no LoRA name, extra keys,
+        lookahead ids or kept token ids, no placeholder waiting) during which the memory
+        cap's bookkeeping neither runs nor can start, each by :meth:`new_record` and
+        :meth:`RefRules.ref`'s rules, until the first block it does not store so (one
+        with a record, a hash or end that does not pack); 0 without the core's tables."""
+        gs, feed, tokens = self.gs, self.feed, self.tokens
+        hashes = self.ev.block_hashes
+        if (
+            NATIVE is None
+            or not self.hold
+            or self.key is None
+            or tokens is None
+            or tokens.packed is None
+            or self.lora is not None
+            or self.extras is not None
+            or self.la
+            or self.keep
+            or type(gs.meta) is not NATIVE.RecordTable
+            or type(gs.refs[1]) is not NATIVE.RecordTable
+            or type(gs.refs[2]) is not NATIVE.RecordTable
+            or type(feed.marks[GPU]) is not NATIVE.SlotMarks
+            or feed.cap.may_track(len(hashes))
+        ):
+            return 0
+        done, self.key, self.end, self.parent, resident = NATIVE.gpu_store_blocks(
+            gs.meta, gs.refs[1], gs.refs[2], feed.marks[GPU], gs.slot, hashes, 0,
+            tokens.packed, self.off, self.size, feed.canonical_block_size, self.key,
+            self.end, self.parent,
+        )  # fmt: skip
+        feed.cap.resident += resident
+        return int(done)
 
     def new_record(self, i: int, h: Hash, old: Record | None) -> int | None:
         """Record block ``i`` (hash ``h``) with its content key (returned: the key its

@@ -83,6 +83,22 @@ class Lookups:
         out: dict[Any, Any],
     ) -> None: ...
 
+def gpu_store_blocks(
+    meta: RecordTable,
+    cpu: RecordTable,
+    storage: RecordTable,
+    marks: SlotMarks,
+    slot: int,
+    hashes: Sequence[Any],
+    first: int,
+    packed: bytes | memoryview,
+    off: int,
+    size: int,
+    unit: int,
+    key: int,
+    end: int | None,
+    parent: Any,
+) -> tuple[int, int, int | None, Any, int]: ...
 def parse_batch(payload: bytes | bytearray | memoryview) -> ParsedBatch | None: ...
 def prompt_keys(tokens: Sequence[SupportsIndex], unit: int, root: int) -> list[int]: ...
 def chain_units(parent: int, tokens: Sequence[SupportsIndex], unit: int) -> int: ...
