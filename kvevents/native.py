@@ -38,6 +38,7 @@ _REQUIRED = (
     "RetainedQueue",
     "SlotMarks",
     "assembler",
+    "gpu_remove_run",
     "gpu_store_blocks",
     "parse_batch",
     "prompt_keys",

@@ -904,6 +904,45 @@ nb::tuple gpu_store_blocks(RecordTableObj& meta, const RecordTableObj& cpu,
   return nb::make_tuple(i, key, end_out, parent_obj, added);
 }
 
+// GPU removals of one group, by the rules of kvevents.consumers.index.refs.RefRules.remove
+// for the GPU tier while the group keeps no eviction bookkeeping (no resident-children
+// counts, nothing deferred): each hash's record loses one GPU reference; the last one
+// unmarks its content key and, when no CPU/STORAGE refcount holds it, ends its residency.
+// A hash without a record or GPU reference is an unknown removal.  Returns (removed,
+// unknown, residencies ended, the hashes whose records are now retained, in order).
+nb::tuple gpu_remove_run(RecordTableObj& meta, const RecordTableObj& cpu,
+                         const RecordTableObj& storage, kvn::SlotMarks& marks, uint32_t slot,
+                         nb::handle hashes) {
+  if (meta.spilled() || cpu.spilled() || storage.spilled())
+    throw nb::value_error("gpu_remove_run: the tables must be native");
+  nb::object seq = nb::steal(PySequence_Fast(hashes.ptr(), "hashes must be a sequence"));
+  if (!seq.is_valid()) throw nb::python_error();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  kvn::RecordTable& t = meta.table();
+  size_t removed = 0, unknown = 0, ended = 0;
+  nb::list retire;
+  constexpr uint64_t kOne = uint64_t{1} << 43;  // one GPU reference (bit 171) in word 2
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    uint64_t h;
+    const uint64_t* found = hash_fits(items[i], h) ? t.find(h) : nullptr;
+    const uint64_t count = found ? found[2] >> 43 : 0;
+    if (!count) {
+      ++unknown;
+      continue;
+    }
+    ++removed;
+    uint64_t w[3] = {found[0], found[1], found[2] - kOne};
+    t.set(h, w);
+    if (count > 1) continue;
+    if (w[1] & 1) marks.unmark(w[0], slot);  // (bit 64: it has a content key)
+    if (cpu.table().find(h) || storage.table().find(h)) continue;
+    ++ended;
+    retire.append(nb::borrow(items[i]));
+  }
+  return nb::make_tuple(removed, unknown, ended, retire);
+}
+
 int record_table_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
   if (!nb::inst_ready(self)) return 0;
@@ -1211,6 +1250,11 @@ NB_MODULE(_core, m) {
         nb::arg("key"), nb::arg("end").none(), nb::arg("parent").none(),
         "The new blocks of a plain GPU store from block ``first``, natively (see module.cpp): "
         "(next block, key, end, parent, entries made resident).");
+
+  m.def("gpu_remove_run", &gpu_remove_run, nb::arg("meta"), nb::arg("cpu"), nb::arg("storage"),
+        nb::arg("marks"), nb::arg("slot"), nb::arg("hashes"),
+        "GPU removals of one group without eviction bookkeeping, natively (see module.cpp): "
+        "(removed, unknown, residencies ended, hashes to retain).");
 
   m.def("parse_batch", &parse_batch, nb::arg("payload"),
         "Parse one payload frame; None when it is not a shape read natively (malformed "

@@ -1,7 +1,7 @@
 """Exercise every entry point of kvevents_native on small random inputs, for a run under
 the sanitizers (native/sanitize_python.sh): the parser on golden payloads and their
 mutations (with the apply steps and chained keys of what it reads), the content keys,
-the tier marks, the record table, the retained order, the GPU store rule, the walk (over a dict and over the
+the tier marks, the record table, the retained order, the GPU store and removal rules, the walk (over a dict and over the
 marks), the assembly and the per-worker lookup (random plans over the marks).  Checks
 nothing itself; the sanitizers do."""
 
@@ -92,6 +92,9 @@ for _ in range(rounds):
                         size, rng.choice([1, 2, 4]), rng.getrandbits(64),
                         rng.choice([None, rng.randrange(100)]),
                         rng.choice([None, rng.getrandbits(64)]))  # fmt: skip
+    if not records.spilled:
+        kn.gpu_remove_run(records, cpu, storage, slot_marks, rng.randrange(nslots),
+                          [rng.choice([*hashes, rng.randrange(40), b"x"]) for _ in range(nb)])  # fmt: skip
     for get in (marks.get, slot_marks.get):
         kn.walk(
             keys,

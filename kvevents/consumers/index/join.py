@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from kvevents.consumers.index.eviction import Eviction
@@ -160,6 +161,16 @@ class Retention:
         """``h`` of ``gs`` is no longer held by any tier: keep its record, bounded."""
         self.records[(wid, gs.group, h)] = None
         if len(self.records) > self.limit:
+            self.trim()
+
+    def retire_all(self, wid: WorkerId, gs: GroupState, hashes: Iterable[Hash]) -> None:
+        """:meth:`retire` of each of ``hashes`` (none held by any tier), in order, the
+        trim done once after them: the same records go (a trim takes the oldest first,
+        and it keeps what is held, which none of these is)."""
+        records, group = self.records, gs.group
+        for h in hashes:
+            records[(wid, group, h)] = None
+        if len(records) > self.limit:
             self.trim()
 
     def forget(self, wid: WorkerId, group: int, h: Hash) -> None:

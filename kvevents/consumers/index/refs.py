@@ -52,6 +52,7 @@ from kvevents.consumers.index.workers import (
     bpc_lookup,
     per_worker,
 )
+from kvevents.native import NATIVE
 
 __all__ = ["RefRules"]
 
@@ -208,6 +209,9 @@ class RefRules:
                 self.remove_unknown(w, None, group, h, tier)
             return
         meta, refs, marks, slot = gs.meta, gs.refs, self.marks[tier], gs.slot
+        if tier == GPU and not gs.kids and not gs.deferred and self.compiled_tables(gs):
+            self.remove_gpu_compiled(w, gs, hashes)
+            return
         counts, on_gpu = refs[tier], tier == GPU  # (CPU/STORAGE: the refcounts)
         # the other tiers' refcounts (CPU/STORAGE: the other one, twice)
         o1, o2 = (refs[CPU], refs[STORAGE]) if on_gpu else (refs[3 - tier], refs[3 - tier])
@@ -250,6 +254,34 @@ class RefRules:
                 retire(wid, gs, h)
         if removed:
             self.stats.removed[TIERS[tier]] += removed
+
+    def compiled_tables(self, gs: GroupState) -> bool:
+        """Whether ``gs``'s records and refcounts and the GPU marks are the compiled
+        core's tables (which its rules read and write directly)."""
+        native = NATIVE
+        if native is None or type(self.marks[GPU]) is not native.SlotMarks:
+            return False
+        tables: tuple[Any, ...] = (gs.meta, gs.refs[CPU], gs.refs[STORAGE])
+        return all(type(t) is native.RecordTable and not t.spilled for t in tables)
+
+    def remove_gpu_compiled(self, w: WorkerState, gs: GroupState, hashes: Iterable[Hash]) -> None:
+        """:meth:`remove` of GPU removals of a group without eviction bookkeeping (no
+        children counts, nothing deferred) by the compiled core's rule: the same
+        references, marks, residencies and counters; the records whose residency ended
+        are retained in order, trimmed once after them (:meth:`.join.Retention.retire_all`)."""
+        assert NATIVE is not None
+        removed, unknown, ended, retire = NATIVE.gpu_remove_run(
+            gs.meta, gs.refs[CPU], gs.refs[STORAGE], self.marks[GPU], gs.slot,
+            hashes if isinstance(hashes, (list, tuple)) else list(hashes),
+        )  # fmt: skip
+        stats = self.stats
+        if unknown:
+            stats.unknown_removals[TIERS[GPU]] += unknown
+        if removed:
+            stats.removed[TIERS[GPU]] += removed
+        self.cap.resident -= ended
+        if retire:
+            self.retention.retire_all(w.wid, gs, retire)
 
     def remove_unknown(
         self, w: WorkerState, gs: GroupState | None, group: int, h: Hash, tier: int

@@ -180,11 +180,8 @@ class _StoreRun:
             or self.extras is not None
             or self.la
             or self.keep
-            or type(gs.meta) is not NATIVE.RecordTable
-            or type(gs.refs[1]) is not NATIVE.RecordTable
-            or type(gs.refs[2]) is not NATIVE.RecordTable
-            or type(feed.marks[GPU]) is not NATIVE.SlotMarks
             or feed.cap.may_track(len(hashes))
+            or not feed.compiled_tables(gs)
         ):
             return 0
         done, self.key, self.end, self.parent, resident = NATIVE.gpu_store_blocks(
