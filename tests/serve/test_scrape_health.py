@@ -40,6 +40,18 @@ def _ready(url: str) -> bool:
     return httpx.get(url + "/readyz", timeout=10).status_code == 200
 
 
+def _serve_scraped(procs: list[Proc], specs: list[str], engine: str) -> str:
+    """The service over ``specs`` with this file's scrape interval and failure count,
+    ready, after a first good scrape of ``engine``; its URL."""
+    service, url = serve(
+        specs, "--scrape-interval", str(INTERVAL), "--scrape-failures", str(FAILURES)
+    )
+    procs.append(service)
+    wait_until(lambda: _ready(url), what="/readyz")
+    wait_until(lambda: _worker(url, engine)["scrape_failures"] == 0, what="a first scrape")
+    return url
+
+
 @pytest.fixture
 def procs() -> Iterator[list[Proc]]:
     out: list[Proc] = []
@@ -55,16 +67,7 @@ def test_one_failed_scrape_leaves_the_engine_routable(procs: list[Proc]) -> None
     proxy = CutProxy(http.replace("http://", "tcp://"))
     try:
         front = proxy.endpoint.replace("tcp://", "http://")
-        service, url = serve(
-            [f"{name}={front},{events},{replay}", specs[1]],
-            "--scrape-interval",
-            str(INTERVAL),
-            "--scrape-failures",
-            str(FAILURES),
-        )
-        procs.append(service)
-        wait_until(lambda: _ready(url), what="/readyz")
-        wait_until(lambda: _worker(url, name)["scrape_failures"] == 0, what="a first scrape")
+        url = _serve_scraped(procs, [f"{name}={front},{events},{replay}", specs[1]], name)
         errors = _scrape_errors(url, name)
         forwarded = proxy.forwarded
         proxy.refuse_once()
@@ -93,16 +96,7 @@ def test_a_killed_engine_is_marked_down_within_the_bound(procs: list[Proc]) -> N
     procs.append(victim)
     (vline,) = victim.read_lines(1, 30.0)
     vspec = vline.removeprefix("--engine ").replace("sim-0=", "victim=", 1)
-    service, url = serve(
-        [specs[0], vspec],
-        "--scrape-interval",
-        str(INTERVAL),
-        "--scrape-failures",
-        str(FAILURES),
-    )
-    procs.append(service)
-    wait_until(lambda: _ready(url), what="/readyz")
-    wait_until(lambda: _worker(url, "victim")["scrape_failures"] == 0, what="a first scrape")
+    url = _serve_scraped(procs, [specs[0], vspec], "victim")
     victim.stop(signal.SIGKILL)
     t0 = time.monotonic()
     seen: list[int] = []
